@@ -1,0 +1,3 @@
+"""peerd: pool volunteers' GPUs over the internet to train one model."""
+
+__version__ = "0.1.0"
