@@ -1,0 +1,325 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Auth(_message.Message):
+    __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: bytes
+    public_key: bytes
+    timestamp_ms: int
+    nonce: bytes
+    signature: bytes
+    admission: bytes
+    def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    public_key: bytes
+    address: str
+    metrics_address: str
+    heartbeat: int
+    outer_step: int
+    state_digest: bytes
+    left: bool
+    incarnation: int
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    SELF_FIELD_NUMBER: _ClassVar[int]
+    RUN_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    DIALED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    self: PeerInfo
+    run_spec_json: str
+    dialed_address: str
+    def __init__(self_, auth: _Optional[_Union[Auth, _Mapping]] = ..., self: _Optional[_Union[PeerInfo, _Mapping]] = ..., run_spec_json: _Optional[str] = ..., dialed_address: _Optional[str] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("run_id", "peers", "observed_address")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    run_id: bytes
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    observed_address: str
+    def __init__(self, run_id: _Optional[bytes] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., observed_address: _Optional[str] = ...) -> None: ...
+
+class GossipRequest(_message.Message):
+    __slots__ = ("auth", "peers")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class GossipResponse(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("auth", "self")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    SELF_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    self: PeerInfo
+    def __init__(self_, auth: _Optional[_Union[Auth, _Mapping]] = ..., self: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoundSummary(_message.Message):
+    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    algorithm: str
+    included: _containers.RepeatedScalarFieldContainer[str]
+    expected: _containers.RepeatedScalarFieldContainer[str]
+    partial: bool
+    raw_bytes: int
+    wire_bytes: int
+    seconds: float
+    note: str
+    fragment: int
+    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_RAW_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_WIRE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_WIRE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SOLO_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peer_id: str
+    address: str
+    algorithm: str
+    codec: str
+    outer_step: int
+    inner_step: int
+    loss: float
+    eval_loss: float
+    tokens_per_second: float
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    alive: _containers.RepeatedScalarFieldContainer[str]
+    last_round: RoundSummary
+    bytes_sent_raw: int
+    bytes_sent_wire: int
+    bytes_received_wire: int
+    compute_idle_seconds: float
+    compute_seconds: float
+    rounds_partial: int
+    rounds_failed: int
+    rejected_messages: int
+    solo_steps: int
+    recent_rounds: _containers.RepeatedCompositeFieldContainer[RoundSummary]
+    spread: float
+    finished: bool
+    state: str
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    step: int
+    attempt: int
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    fragment: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    round_id: bytes
+    step: int
+    attempt: int
+    members: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    expected: _containers.RepeatedScalarFieldContainer[str]
+    fragment: int
+    leader: str
+    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("group", "behind", "redirect")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FIELD_NUMBER: _ClassVar[int]
+    group: Group
+    behind: int
+    redirect: PeerInfo
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "codec", "included", "kind")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    round_id: bytes
+    shard: int
+    numel: int
+    wire_bytes: int
+    codec: str
+    included: _containers.RepeatedScalarFieldContainer[str]
+    kind: str
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class TensorTrailer(_message.Message):
+    __slots__ = ("digest", "signature")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    signature: bytes
+    def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class TensorMessage(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    chunk: bytes
+    trailer: TensorTrailer
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("auth", "step", "group_size")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    step: int
+    group_size: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("accepted", "round_id", "members", "step", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    round_id: bytes
+    members: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    step: int
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("auth", "min_step")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    min_step: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., min_step: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale")
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INNER_LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    outer_step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    total_bytes: int
+    state_digest: bytes
+    inner_lr_scale: float
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ...) -> None: ...
+
+class StateMessage(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    chunk: bytes
+    trailer: TensorTrailer
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
