@@ -1,0 +1,101 @@
+"""The inner (local) optimizer: AdamW with linear warmup and cosine decay.
+
+Biases, normalisation gains and embeddings get no weight decay: decaying them drags useful scales and token
+statistics towards zero without regularising anything that matters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# nn.RMSNorm only exists from torch 2.4 on.
+NO_DECAY_MODULES: tuple[type[nn.Module], ...] = tuple(
+    m
+    for m in (
+        nn.Embedding,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        getattr(nn, "RMSNorm", None),
+    )
+    if m is not None
+)
+
+
+@dataclass
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``floor`` at ``total_steps`` (flat if None).
+
+    A callable object rather than a lambda so ``LambdaLR.state_dict()`` saves it (as plain numbers).
+    """
+
+    warmup_steps: int
+    total_steps: int | None
+    floor: float = 0.1
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split parameters into a decayed group (matrices) and a non-decayed one (biases, norms, embeddings)."""
+    no_decay: set[int] = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if isinstance(module, NO_DECAY_MODULES) or p.dim() < 2:
+                no_decay.add(id(p))
+    decay_params, plain_params, seen = [], [], set()
+    for p in model.parameters():  # parameters() already skips tied duplicates; `seen` guards plugins anyway
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (plain_params if id(p) in no_decay else decay_params).append(p)
+    groups = []
+    if decay_params:
+        groups.append({"params": decay_params, "weight_decay": weight_decay})
+    if plain_params:
+        groups.append({"params": plain_params, "weight_decay": 0.0})
+    return groups
+
+
+def make_inner_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    warmup_steps: int,
+    total_steps: int | None,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over ``model`` plus its warmup/cosine schedule; call ``scheduler.step()`` after each step.
+
+    The fused CUDA kernel is used when every parameter is on a GPU.
+    """
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if total_steps is not None and total_steps < 1:
+        raise ValueError(f"total_steps must be positive or None, got {total_steps}")
+    groups = param_groups(model, weight_decay)
+    if not groups:
+        raise ValueError("model has no trainable parameters")
+    fused = all(p.is_cuda for g in groups for p in g["params"])
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
+    return optimizer, scheduler
