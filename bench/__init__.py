@@ -1,0 +1,1 @@
+"""Benchmarks and test benches for peerd (not installed with the package)."""
