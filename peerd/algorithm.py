@@ -1,0 +1,36 @@
+"""The small interface every outer algorithm (DiLoCo, Streaming DiLoCo, NoLoCo) implements.
+
+The worker owns the model, data and inner optimizer and calls `after_inner_step` once per inner step; an algorithm
+decides when to talk to the swarm and how to fold what comes back into the parameters. Algorithms keep their state
+(global params, outer momentum) as flat fp32 CPU tensors so it can be checkpointed and served to joiners losslessly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from peerd.worker import Worker
+
+
+class OuterAlgorithm(ABC):
+    name: str
+
+    @abstractmethod
+    def after_inner_step(self, worker: Worker, t: int) -> bool:
+        """Called after inner step t (0-based, counted since the run began). Returns True when an outer step
+        completed, so the worker evaluates, publishes state and checkpoints."""
+
+    @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The global state every peer of the run shares (served to joiners, digested in gossip)."""
+
+    @abstractmethod
+    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+        """Adopt a downloaded or checkpointed global state (and reset local params to it)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release background resources (threads, in-flight exchanges)."""

@@ -1,0 +1,268 @@
+"""Bandwidth-optimal averaging of one flat fp32 vector across a round's group: reduce-scatter, then all-gather.
+
+The vector is cut into one contiguous shard per member. Member i owns shard i: every other member streams its
+encoded shard i to member i, which decodes all contributions, sums them in fp32 in member order, divides by the group
+size, encodes the average once, and streams those same bytes back to every member on the same gRPC stream. Each peer
+therefore sends and receives (n-1)/n of the vector twice, nothing is funnelled through one peer, and because every
+member (the owner included) decodes the *same bytes* of each averaged shard, all members end bit-identical.
+
+A round is all-or-nothing: if any contribution is missing when the deadline passes, or any stream fails, the round
+fails on every member (owners abort the streams they serve, so a failure spreads in one round trip) and the caller
+retries the step with a new group that leaves the failed peer out. A round never averages a subset silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from peerd.codecs import Codec
+from peerd.envelope import Verifier
+from peerd.identity import Identity
+from peerd.streams import StreamError, read_tensor, tensor_messages
+from peerd.v1 import peerd_pb2 as pb
+
+
+class RoundFailed(RuntimeError):
+    """The round could not complete. `suspects` are peers that seem to be at fault (unreachable, silent)."""
+
+    def __init__(self, message: str, suspects: set[str] | None = None, reason: str = "aborted") -> None:
+        super().__init__(message)
+        self.suspects = suspects or set()
+        self.reason = reason
+
+
+@dataclass
+class RoundStats:
+    raw_bytes: int = 0  # fp32 bytes this peer's sends would have taken uncompressed
+    wire_bytes: int = 0  # bytes it actually sent
+    received_wire_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RoundResult:
+    average: torch.Tensor  # CPU fp32, same numel as the input
+    group: pb.Group
+    included: list[str]
+    stats: RoundStats = field(default_factory=RoundStats)
+
+    @property
+    def partial(self) -> bool:
+        return len(self.included) < len(self.group.expected)
+
+
+def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal shards; the first numel % n shards get one extra element."""
+    base, extra = divmod(numel, n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+StubFor = Callable[[pb.PeerInfo], object]  # returns a RoundsStub for a member
+
+
+class ReduceRound:
+    """This peer's part in one group's reduce-scatter + all-gather."""
+
+    def __init__(
+        self,
+        group: pb.Group,
+        identity: Identity,
+        run_id: bytes,
+        vector: torch.Tensor,
+        codec: Codec,
+        executor: Executor,
+        timeout_s: float,
+        chunk_bytes: int,
+    ) -> None:
+        self.group = group
+        self.identity = identity
+        self.run_id = run_id
+        self.vector = vector
+        self.codec = codec
+        self.executor = executor
+        self.chunk_bytes = chunk_bytes
+        self.ids = [m.peer_id for m in group.members]
+        self.me = self.ids.index(identity.peer_id)
+        self.n = len(self.ids)
+        self.bounds = shard_bounds(vector.numel(), self.n)
+        self.deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        self.contrib: list[torch.Tensor | None] = [None] * self.n
+        self.reduced: asyncio.Future[tuple[bytes, torch.Tensor]] = loop.create_future()
+        self.stats = RoundStats()
+        self._deadline_handle = loop.call_later(timeout_s, self._on_deadline)
+
+    # -- owner side: contributions to our shard ---------------------------------------------------------------
+    def shard_numel(self, index: int) -> int:
+        lo, hi = self.bounds[index]
+        return hi - lo
+
+    def max_wire(self, sender: str, header: pb.TensorHeader) -> int:
+        """Size limit for a contribution, checked against the round's layout before anything is allocated."""
+        if sender not in self.ids or sender == self.identity.peer_id:
+            raise StreamError("not_member", f"{sender[:8]} is not a member of this round")
+        if header.shard != self.me or header.numel != self.shard_numel(self.me):
+            raise StreamError(
+                "wrong_shape",
+                f"contribution for shard {header.shard} of {header.numel} elements "
+                f"does not match this peer's shard {self.me} of {self.shard_numel(self.me)}",
+            )
+        if header.codec != self.codec.name:
+            raise StreamError(
+                "wrong_codec", f"contribution uses codec {header.codec!r}, the run uses {self.codec.name!r}"
+            )
+        return self.codec.max_encoded_size(self.shard_numel(self.me))
+
+    async def add_contribution(self, sender: str, payload: bytes | bytearray) -> None:
+        index = self.ids.index(sender)
+        if self.contrib[index] is not None:
+            raise StreamError("duplicate", f"{sender[:8]} already contributed to this round")
+        numel = self.shard_numel(self.me)
+        loop = asyncio.get_running_loop()
+        decoded = await loop.run_in_executor(self.executor, self.codec.decode, payload, numel)
+        self.stats.received_wire_bytes += len(payload)
+        self.contrib[index] = decoded
+        if all(c is not None for c in self.contrib) and not self.reduced.done():
+            encoded, avg = await loop.run_in_executor(self.executor, self._reduce)
+            if not self.reduced.done():
+                self.reduced.set_result((encoded, avg))
+
+    def _reduce(self) -> tuple[bytes, torch.Tensor]:
+        """Average in fp32 in member order, encode once, and decode our own bytes so we match every other member."""
+        acc = self.contrib[0].clone()  # type: ignore[union-attr]
+        for c in self.contrib[1:]:
+            acc += c  # type: ignore[operator]
+        acc /= self.n
+        encoded = self.codec.encode(acc)
+        return encoded, self.codec.decode(encoded, acc.numel())
+
+    async def serve(
+        self, first_message_stream: AsyncIterator[pb.TensorMessage], verifier: Verifier
+    ) -> AsyncIterator[pb.TensorMessage]:
+        """Server side of one Reduce stream: take a member's contribution, then reply with the averaged shard."""
+        rx = await read_tensor(first_message_stream, verifier, self._max_wire_async)
+        if rx.header.round_id != self.group.round_id:
+            raise StreamError("wrong_round", "contribution names another round")
+        await self.add_contribution(rx.sender, rx.payload)
+        remaining = self.deadline - time.monotonic()
+        encoded, _ = await asyncio.wait_for(asyncio.shield(self.reduced), max(remaining, 0.01))
+        header = pb.TensorHeader(
+            round_id=self.group.round_id,
+            shard=self.me,
+            numel=self.shard_numel(self.me),
+            codec=self.codec.name,
+            included=self.ids,
+            kind="gather",
+        )
+        self.stats.wire_bytes += len(encoded)
+        self.stats.raw_bytes += 4 * self.shard_numel(self.me)
+        for msg in tensor_messages(header, encoded, self.identity, self.run_id, self.chunk_bytes):
+            yield msg
+
+    async def _max_wire_async(self, sender: str, header: pb.TensorHeader) -> int:
+        return self.max_wire(sender, header)
+
+    def abort(self, exc: BaseException) -> None:
+        if not self.reduced.done():
+            self.reduced.set_exception(exc)
+            self.reduced.exception()  # mark retrieved: waiters see it, asyncio does not log it
+
+    def _on_deadline(self) -> None:
+        missing = {self.ids[i] for i, c in enumerate(self.contrib) if c is None}
+        self.abort(RoundFailed(f"round timed out waiting for {sorted(p[:8] for p in missing)}", missing, "timeout"))
+
+    # -- member side ------------------------------------------------------------------------------------------
+    async def run(self, stub_for: StubFor, verifier: Verifier) -> RoundResult:
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            payloads = await loop.run_in_executor(self.executor, self._encode_all)
+            own = payloads[self.me]
+            await self.add_contribution_own(own)
+            tasks = {
+                j: asyncio.ensure_future(self._exchange(j, payloads[j], stub_for, verifier))
+                for j in range(self.n)
+                if j != self.me
+            }
+            remaining = max(self.deadline - time.monotonic(), 0.01)
+            results: dict[int, torch.Tensor] = {}
+            try:
+                _, own_avg = await asyncio.wait_for(asyncio.shield(self.reduced), remaining)
+                results[self.me] = own_avg
+                for j, task in tasks.items():
+                    results[j] = await asyncio.wait_for(task, max(self.deadline - time.monotonic(), 0.01))
+            except BaseException as exc:
+                for task in tasks.values():
+                    task.cancel()
+                self.abort(exc if isinstance(exc, RoundFailed) else RoundFailed(str(exc)))
+                raise self._as_failure(exc, tasks) from exc
+        finally:
+            self._deadline_handle.cancel()
+        average = torch.empty(self.vector.numel(), dtype=torch.float32)
+        for j, (lo, hi) in enumerate(self.bounds):
+            average[lo:hi] = results[j]
+        self.stats.seconds = time.perf_counter() - t0
+        return RoundResult(average, self.group, list(self.ids), self.stats)
+
+    def _encode_all(self) -> list[bytes]:
+        return [self.codec.encode(self.vector[lo:hi].contiguous()) for lo, hi in self.bounds]
+
+    async def add_contribution_own(self, payload: bytes) -> None:
+        await self.add_contribution(self.identity.peer_id, payload)
+
+    async def _exchange(self, j: int, payload: bytes, stub_for: StubFor, verifier: Verifier) -> torch.Tensor:
+        member = self.group.members[j]
+        header = pb.TensorHeader(
+            round_id=self.group.round_id, shard=j, numel=self.shard_numel(j), codec=self.codec.name, kind="reduce"
+        )
+        self.stats.wire_bytes += len(payload)
+        self.stats.raw_bytes += 4 * self.shard_numel(j)
+        stub = stub_for(member)
+        remaining = max(self.deadline - time.monotonic(), 0.01)
+        call = stub.Reduce(  # type: ignore[attr-defined]
+            tensor_messages(header, payload, self.identity, self.run_id, self.chunk_bytes), timeout=remaining
+        )
+        try:
+            rx = await read_tensor(call.__aiter__(), verifier, self.codec.max_encoded_size(self.shard_numel(j)))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:
+                raise RoundFailed(f"{member.peer_id[:8]} aborted the round: {exc.details()}") from exc
+            raise RoundFailed(
+                f"exchange with {member.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
+                {member.peer_id},
+                "peer_lost",
+            ) from exc
+        finally:
+            call.cancel()
+        if rx.sender != member.peer_id or rx.header.shard != j or rx.header.round_id != self.group.round_id:
+            raise RoundFailed(
+                f"reply from {member.peer_id[:8]} does not match the round", {member.peer_id}, "malformed"
+            )
+        if list(rx.header.included) != self.ids:
+            raise RoundFailed(f"{member.peer_id[:8]} averaged a different set of peers", {member.peer_id})
+        self.stats.received_wire_bytes += len(rx.payload)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.codec.decode, rx.payload, self.shard_numel(j))
+
+    def _as_failure(self, exc: BaseException, tasks: dict[int, asyncio.Future]) -> RoundFailed:
+        if isinstance(exc, RoundFailed):
+            return exc
+        for task in tasks.values():
+            if task.done() and not task.cancelled() and isinstance(task.exception(), RoundFailed):
+                return task.exception()  # type: ignore[return-value]
+        if isinstance(exc, asyncio.TimeoutError):
+            missing = {self.ids[i] for i, c in enumerate(self.contrib) if c is None}
+            return RoundFailed("round timed out", missing, "timeout")
+        return RoundFailed(f"round failed: {exc!r}")

@@ -1,0 +1,164 @@
+"""The `peerd` command: init a run config, start a peer, ask a peer for its status, or run a local demo swarm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from peerd.config import ConfigError, RunConfig, write_template
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="peerd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init", help="write a commented run config with defaults")
+    p.add_argument("path", help="where to write it, e.g. run.toml")
+
+    p = sub.add_parser("start", help="run one peer in the foreground until SIGINT/SIGTERM")
+    p.add_argument("--config", required=True, help="run config (see `peerd init`)")
+    p.add_argument("--listen", default="0.0.0.0:7000", help="gRPC listen address (port 0 picks a free one)")
+    p.add_argument("--bootstrap", action="append", default=[], help="address of any peer of the run (repeatable)")
+    p.add_argument("--announce", help="address other peers should dial, if not the listen address")
+    p.add_argument("--data-dir", default="peerd-data", help="identity key, checkpoints and address files")
+    p.add_argument("--metrics", help="serve Prometheus metrics and HTTP SD on HOST:PORT")
+    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
+    p.add_argument("--shard", type=int, help="data shard to read (default: derived from the peer id)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--insecure", action="store_true", help="plaintext gRPC (tests only)")
+    p.add_argument("--wait-peers", type=int, default=0, help="wait until this many peers are up before training")
+    p.add_argument("--log-level", default="INFO")
+
+    p = sub.add_parser("status", help="print one peer's view of the run")
+    p.add_argument("address", help="HOST:PORT of the peer")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--timeout", type=float, default=5.0)
+
+    p = sub.add_parser("demo", help="start a local swarm of peers as separate processes and train for a while")
+    p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--outer-steps", type=int, default=5)
+    p.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per outer step")
+    p.add_argument("--algorithm", default="diloco", choices=["diloco", "streaming", "noloco"])
+    p.add_argument("--codec", default="fp32", help="fp32 | bf16 | int8 | fp8 | e3m0 | int4")
+    p.add_argument("--preset", default="tiny", help="model preset")
+    p.add_argument("--json", action="store_true", help="make the last line of output a JSON summary")
+    p.add_argument("--workdir", help="keep peers' data here (default: a temporary directory)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "init":
+            write_template(args.path)
+            print(
+                f"wrote {args.path}; start the first peer with: peerd start --config {args.path} --listen 0.0.0.0:7000"
+            )
+            return 0
+        if args.command == "start":
+            return _start(args)
+        if args.command == "status":
+            from peerd.status import print_status
+
+            return print_status(args.address, as_json=args.json, timeout=args.timeout)
+        if args.command == "demo":
+            from peerd.demo import run_demo
+
+            return run_demo(args)
+    except ConfigError as exc:
+        print(f"peerd: config error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _start(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("peerd")
+    cfg = RunConfig.load(args.config)
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from peerd.daemon import Daemon, JoinError
+    from peerd.identity import Identity, IdentityError
+    from peerd.worker import Worker
+
+    data_dir = Path(args.data_dir)
+    try:
+        identity = Identity.load_or_create(data_dir)
+    except IdentityError as exc:
+        print(f"peerd: {exc}", file=sys.stderr)
+        return 2
+    if args.insecure:
+        log.warning("--insecure: gRPC traffic is NOT encrypted; use this for tests only")
+    daemon = Daemon(
+        cfg,
+        identity,
+        listen=args.listen,
+        bootstrap=args.bootstrap,
+        announce=args.announce,
+        data_dir=data_dir,
+        metrics_listen=args.metrics,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: finishing the current step, then leaving the swarm", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        daemon.start()
+    except (JoinError, OSError) as exc:
+        print(f"peerd: {exc}", file=sys.stderr)
+        daemon.stop(leave=False)
+        return 1
+    log.info("peer %s joined run %s (%s)", identity.peer_id[:8], daemon.run_id.hex()[:8], cfg.run.algorithm)
+    try:
+        if args.wait_peers > 1:
+            daemon.wait_for_peers(args.wait_peers, stop)
+        worker = Worker(cfg, daemon, data_dir, device=args.device, shard=args.shard, on_outer_step=_log_outer_step)
+        worker.run(stop)
+        worker.write_summary()
+    finally:
+        daemon.stop(leave=True)
+    log.info("stopped cleanly at outer step %d", daemon.status.outer_step)
+    return 0
+
+
+def _log_outer_step(worker: object) -> None:
+    from peerd.worker import Worker
+
+    assert isinstance(worker, Worker)
+    st = worker.daemon.status
+    rnd = st.last_round
+    peers = f"{len(rnd.included)}/{len(rnd.expected)}" if rnd is not None else "-"
+    secs = f"{rnd.seconds:.2f}s" if rnd is not None else "-"
+    logging.getLogger("peerd").info(
+        "outer step %d | loss %.4f | eval %.4f | %.0f tok/s | peers %s | sent %.2f MB (wire %.2f MB) | round %s",
+        st.outer_step,
+        st.loss,
+        st.eval_loss,
+        st.tokens_per_second,
+        peers,
+        st.bytes_sent_raw / 1e6,
+        st.bytes_sent_wire / 1e6,
+        secs,
+    )
+
+
+def dump_json(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

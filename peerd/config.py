@@ -1,0 +1,311 @@
+"""Run configuration: load and validate run.toml, and hash the shared part of it into the run id.
+
+The config has two kinds of section. *Spec* sections (run, model, data, inner, outer, noloco, streaming, codec,
+admission) must be identical on every peer of a run, so they hash into the run id and a Join with a different spec is
+refused with the names of the fields that differ. *Local* sections (network, checkpoint) are per-machine tuning and
+never leave the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ALGORITHMS = ("diloco", "streaming", "noloco")
+CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4")
+
+
+class ConfigError(ValueError):
+    """A run.toml that cannot be used, with a message that names the offending key."""
+
+
+@dataclass
+class RunSection:
+    name: str = "peerd-run"
+    algorithm: str = "diloco"
+    seed: int = 0
+    outer_steps: int = 0  # stop after this many outer steps; 0 runs until stopped
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    factory: str = ""  # "package.module:factory" to train your own model instead of the built-in one
+    n_layer: int = 0  # 0 keeps the preset's value
+    n_head: int = 0
+    d_model: int = 0
+    seq_len: int = 0
+
+
+@dataclass
+class DataSection:
+    path: str = ""  # directory of text files or a uint16 token file; empty = the Python standard library sources
+    batch_size: int = 8
+    num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
+    eval_batches: int = 4
+
+
+@dataclass
+class InnerSection:
+    steps: int = 20  # H: inner steps per outer step
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class OuterSection:
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@dataclass
+class NolocoSection:
+    alpha: float = 0.5
+    beta: float = 0.7
+    gamma: float = 0.7
+    group_size: int = 2
+    max_staleness: int = 1  # pair only with peers whose outer step is within this many steps
+    send_ahead: bool = False  # send the slow weights at the end of the previous outer step, overlapping compute
+
+
+@dataclass
+class StreamingSection:
+    fragments: int = 2
+    mode: str = "strided"  # or "sequential"
+    tau: int = 2  # inner steps between a fragment's sync start and its merge
+    alpha: float = 0.5  # local <- alpha*local + (1-alpha)*new_global
+    late_policy: str = "wait"  # or "skip": what the trainer does when an exchange is not done by t + tau
+
+
+@dataclass
+class CodecSection:
+    name: str = "fp32"
+    zstd_level: int = 3
+    block_size: int = 256
+    error_feedback: bool = False
+
+
+@dataclass
+class AdmissionSection:
+    mode: str = "open"  # open | secret | allowlist | invite
+
+
+@dataclass
+class NetworkSection:
+    gossip_interval: float = 1.0
+    peer_timeout: float = 10.0  # a peer whose heartbeat has not advanced for this long is dropped
+    rendezvous_timeout: float = 30.0  # how long a round's leader waits for expected peers
+    round_timeout: float = 120.0  # how long an exchange may take before the round fails
+    match_timeout: float = 10.0  # NoLoCo: how long a peer looks for a partner before stepping alone
+    chunk_bytes: int = 1 << 20
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 1  # outer steps between checkpoints
+
+
+SPEC_SECTIONS = ("run", "model", "data", "inner", "outer", "noloco", "streaming", "codec", "admission")
+LOCAL_SECTIONS = ("network", "checkpoint")
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    inner: InnerSection = field(default_factory=InnerSection)
+    outer: OuterSection = field(default_factory=OuterSection)
+    noloco: NolocoSection = field(default_factory=NolocoSection)
+    streaming: StreamingSection = field(default_factory=StreamingSection)
+    codec: CodecSection = field(default_factory=CodecSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+    # -- loading ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        """Build a config from nested dicts, refusing unknown sections/keys and wrongly typed values."""
+        cfg = cls()
+        for section, values in raw.items():
+            if section not in SPEC_SECTIONS + LOCAL_SECTIONS:
+                raise ConfigError(f"unknown config section [{section}]")
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section}] must be a table")
+            target = getattr(cfg, section)
+            known = {f.name: f for f in dataclasses.fields(target)}
+            for key, value in values.items():
+                if key not in known:
+                    raise ConfigError(f"unknown key {section}.{key}")
+                default = getattr(target, key)
+                setattr(target, key, _coerce(f"{section}.{key}", value, default))
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        return cls.from_dict(raw)
+
+    def validate(self) -> None:
+        if self.run.algorithm not in ALGORITHMS:
+            raise ConfigError(f"run.algorithm must be one of {ALGORITHMS}, not {self.run.algorithm!r}")
+        if self.codec.name not in CODECS:
+            raise ConfigError(f"codec.name must be one of {CODECS}, not {self.codec.name!r}")
+        if self.inner.steps < 1:
+            raise ConfigError("inner.steps must be >= 1")
+        if self.data.batch_size < 1 or self.data.num_shards < 1:
+            raise ConfigError("data.batch_size and data.num_shards must be >= 1")
+        if self.noloco.group_size < 2:
+            raise ConfigError("noloco.group_size must be >= 2")
+        if self.streaming.mode not in ("strided", "sequential"):
+            raise ConfigError("streaming.mode must be 'strided' or 'sequential'")
+        if self.streaming.late_policy not in ("wait", "skip"):
+            raise ConfigError("streaming.late_policy must be 'wait' or 'skip'")
+        if not 0.0 <= self.streaming.alpha <= 1.0:
+            raise ConfigError("streaming.alpha must be in [0, 1]")
+        if self.streaming.fragments < 1 or self.streaming.tau < 1:
+            raise ConfigError("streaming.fragments and streaming.tau must be >= 1")
+        if self.streaming.tau >= self.inner.steps:
+            raise ConfigError("streaming.tau must be smaller than inner.steps")
+        if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
+            raise ConfigError("admission.mode must be open, secret, allowlist or invite")
+        if not 0 < self.network.chunk_bytes <= 1 << 20:
+            raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+
+    # -- run identity ----------------------------------------------------------------------------------------
+    def spec(self) -> dict[str, Any]:
+        """The part of the config every peer of the run must share. `run.outer_steps` is left out: it only says when
+        this peer stops, so a peer may leave early or a restart may train longer without forking the run."""
+        spec = {name: dataclasses.asdict(getattr(self, name)) for name in SPEC_SECTIONS}
+        del spec["run"]["outer_steps"]
+        return spec
+
+    def spec_json(self) -> str:
+        return json.dumps(self.spec(), sort_keys=True, separators=(",", ":"))
+
+    def run_id(self) -> bytes:
+        return hashlib.sha256(self.spec_json().encode()).digest()
+
+
+def spec_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Dotted names of the fields that differ between two specs, e.g. ['inner.lr', 'codec.name']."""
+    out: list[str] = []
+    for section in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(section), theirs.get(section)
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            if a != b:
+                out.append(section)
+            continue
+        out.extend(f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    return out
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Accept ints for float fields; refuse anything else that does not match the default's type."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false")
+        return value
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, type(default)) or isinstance(value, bool) != isinstance(default, bool):
+        raise ConfigError(f"{name} must be of type {type(default).__name__}, got {value!r}")
+    return value
+
+
+TEMPLATE = """\
+# peerd run config. Every peer of a run uses the same file: the [run] .. [admission] sections hash into the run id,
+# and a peer with a different spec is refused at Join (the error names the fields that differ).
+# [network] and [checkpoint] are local tuning and may differ per machine.
+
+[run]
+name = "peerd-run"
+algorithm = "diloco"      # diloco | streaming | noloco
+seed = 0                  # all peers start from the same weights built from this seed
+outer_steps = 0           # this peer stops after this many outer steps (0 = run until stopped); local
+
+[model]
+preset = "tiny"           # tiny (tests) | small (~10M) | medium (~30M) | base (~100M, GPUs)
+factory = ""              # "package.module:factory" to plug in your own model (see README)
+# n_layer = 0, n_head = 0, d_model = 0, seq_len = 0 override the preset when non-zero
+
+[data]
+path = ""                 # directory of text files or a uint16 token file; "" = Python stdlib sources
+batch_size = 8
+num_shards = 16           # the train stream is split into this many shards; each peer reads its own
+eval_batches = 4          # held-out batches for the eval loss after each outer step
+
+[inner]
+steps = 20                # H: inner AdamW steps per outer step
+lr = 1e-3
+warmup_steps = 20
+weight_decay = 0.1
+grad_clip = 1.0
+
+[outer]                   # DiLoCo / Streaming DiLoCo outer Nesterov SGD
+lr = 0.7
+momentum = 0.9
+
+[noloco]                  # used when run.algorithm = "noloco"
+alpha = 0.5
+beta = 0.7
+gamma = 0.7
+group_size = 2
+max_staleness = 1
+send_ahead = false
+
+[streaming]               # used when run.algorithm = "streaming"
+fragments = 2
+mode = "strided"          # strided | sequential
+tau = 2                   # inner steps a fragment's exchange may overlap before it is merged
+alpha = 0.5               # local <- alpha*local + (1-alpha)*new_global
+late_policy = "wait"      # wait | skip
+
+[codec]
+name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4
+zstd_level = 3
+block_size = 256
+error_feedback = false
+
+[admission]
+mode = "open"
+
+[network]
+gossip_interval = 1.0
+peer_timeout = 10.0
+rendezvous_timeout = 30.0
+round_timeout = 120.0
+match_timeout = 10.0
+chunk_bytes = 1048576
+
+[checkpoint]
+every = 1
+"""
+
+
+def write_template(path: str | Path) -> None:
+    """Write a commented default config; refuse to overwrite an existing file."""
+    p = Path(path)
+    if p.exists():
+        raise ConfigError(f"{p} already exists; not overwriting it")
+    p.write_text(TEMPLATE)

@@ -1,0 +1,64 @@
+"""DiLoCo (Douillard et al. 2023): every H inner steps, peers average pseudo-gradients and take an outer Nesterov step.
+
+pseudo-gradient = global params - local params. Every peer of the round receives the same averaged bytes and applies
+the same deterministic outer update to the same global copy, so global params are bit-identical after a round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from peerd.algorithm import OuterAlgorithm
+from peerd.rendezvous import Behind
+from trainer.outer import NesterovOuter
+
+if TYPE_CHECKING:
+    from peerd.worker import Worker
+
+log = logging.getLogger("peerd")
+
+
+class DiLoCo(OuterAlgorithm):
+    name = "diloco"
+
+    def __init__(self, worker: Worker) -> None:
+        cfg = worker.cfg
+        self.H = cfg.inner.steps
+        self.outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
+        self.global_params = worker.layout.flatten(worker.model).detach().float().cpu().clone()
+
+    def after_inner_step(self, worker: Worker, t: int) -> bool:
+        if (t + 1) % self.H:
+            return False
+        step = worker.outer_step
+        local = worker.layout.flatten(worker.model).detach().float()
+        pseudo = self.global_params.to(local.device, non_blocking=True) - local
+        t0 = time.perf_counter()
+        try:
+            result = worker.daemon.allreduce(step, pseudo)
+        except Behind as exc:
+            worker.add_idle(time.perf_counter() - t0)
+            log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
+            worker.resync(exc.step)
+            return True
+        worker.add_idle(time.perf_counter() - t0)
+        self.outer.step(self.global_params, result.average)
+        worker.layout.unflatten_into(self.global_params, worker.model)
+        worker.outer_step = step + 1
+        worker.last_result = result
+        return True
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        momentum = self.outer.buffers.get(None)
+        if momentum is None:
+            momentum = torch.zeros_like(self.global_params)
+        return {"params": self.global_params.clone(), "outer_momentum": momentum.clone()}
+
+    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+        self.global_params = tensors["params"].float().clone()
+        self.outer.buffers[None] = tensors["outer_momentum"].float().clone()
+        worker.layout.unflatten_into(self.global_params, worker.model)

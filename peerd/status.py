@@ -1,0 +1,73 @@
+"""`peerd status HOST:PORT`: ask one peer for its view of the run and print it as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from peerd.channels import CHANNEL_OPTIONS
+from peerd.v1 import peerd_pb2 as pb
+from peerd.v1 import peerd_pb2_grpc as rpc
+
+
+def fetch_status(address: str, timeout: float = 5.0) -> pb.StatusResponse:
+    """One Status RPC over a short-lived channel (this runs outside any daemon)."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        return rpc.MembershipStub(ch).Status(pb.StatusRequest(), timeout=timeout)
+
+
+def status_dict(st: pb.StatusResponse) -> dict[str, Any]:
+    d = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for key in ("loss", "eval_loss"):  # JSON has no NaN: report an unknown loss as null
+        if isinstance(d.get(key), str) or (isinstance(d.get(key), float) and not math.isfinite(d[key])):
+            d[key] = None
+    for p in d.get("peers", []):
+        p.pop("public_key", None)
+        p.pop("state_digest", None)
+    return d
+
+
+def format_status(st: pb.StatusResponse) -> str:
+    alive = set(st.alive)
+    lines = [
+        f"run        {st.run_id[:16]}  ({st.algorithm}, codec {st.codec})",
+        f"peer       {st.peer_id[:16]}  at {st.address}  [{st.state}]",
+        f"step       outer {st.outer_step}, inner {st.inner_step}",
+        f"loss       train {st.loss:.4f}, eval {st.eval_loss:.4f}, {st.tokens_per_second:.0f} tokens/s",
+        f"traffic    sent {st.bytes_sent_raw / 1e6:.2f} MB raw, {st.bytes_sent_wire / 1e6:.2f} MB on the wire; "
+        f"received {st.bytes_received_wire / 1e6:.2f} MB",
+        f"health     {st.rounds_partial} partial rounds, {st.rounds_failed} failed, "
+        f"{st.rejected_messages} rejected messages, {st.solo_steps} solo steps",
+    ]
+    busy = st.compute_seconds + st.compute_idle_seconds
+    if busy > 0:
+        lines.append(f"idle       {st.compute_idle_seconds:.1f}s of {busy:.1f}s ({st.compute_idle_seconds / busy:.1%})")
+    lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known")
+    for p in sorted(st.peers, key=lambda p: p.peer_id):
+        mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
+        lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")
+    if st.HasField("last_round"):
+        r = st.last_round
+        tag = "PARTIAL" if r.partial else "complete"
+        lines.append(
+            f"last round step {r.step}: {tag}, {len(r.included)}/{len(r.expected)} peers, "
+            f"{r.wire_bytes / 1e6:.2f} MB wire ({r.raw_bytes / 1e6:.2f} MB raw), {r.seconds:.2f}s"
+            + (f", {r.note}" if r.note else "")
+        )
+        lines.append("  included " + " ".join(i[:8] for i in r.included))
+    return "\n".join(lines)
+
+
+def print_status(address: str, *, as_json: bool, timeout: float) -> int:
+    try:
+        st = fetch_status(address, timeout)
+    except grpc.RpcError as exc:
+        print(f"peerd: cannot get status from {address}: {exc.code().name} {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(status_dict(st), sort_keys=True) if as_json else format_status(st))
+    return 0

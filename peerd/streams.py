@@ -1,0 +1,121 @@
+"""Framing of one encoded tensor on a gRPC stream: a signed header, chunks of at most 1 MiB, a signed trailer.
+
+The header is signed like any request (peerd/envelope.py). The trailer signs a SHA-256 digest of the header's
+signature and every payload byte, so a peer cannot splice someone else's chunks into its stream, and a receiver never
+uses a payload before the whole of it checked out. The receiver learns the payload size from the header and refuses
+it before allocating anything when it exceeds what the round's layout allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from peerd.envelope import AuthError, Verifier, sign
+from peerd.identity import Identity, verify
+from peerd.v1 import peerd_pb2 as pb
+
+HEADER_METHOD = "peerd.v1.TensorHeader"
+MAX_CHUNK = 1 << 20
+
+
+class StreamError(ValueError):
+    """A tensor stream that is malformed, oversized, truncated or forged. `reason` is a metric label."""
+
+    def __init__(self, reason: str, message: str, sender: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.sender = sender  # set once the header's signature checked out: the error is that member's fault
+
+
+@dataclass
+class ReceivedTensor:
+    sender: str
+    header: pb.TensorHeader
+    payload: bytearray
+
+
+def _digest(header_sig: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.sha256(header_sig)
+    h.update(payload)
+    return h.digest()
+
+
+def tensor_messages(
+    header: pb.TensorHeader, payload: bytes, identity: Identity, run_id: bytes, chunk_bytes: int = MAX_CHUNK
+) -> Iterator[pb.TensorMessage]:
+    """Yield the messages that carry `payload` (already encoded by a codec) under a signed header."""
+    header.wire_bytes = len(payload)
+    sign(header, HEADER_METHOD, identity, run_id)
+    yield pb.TensorMessage(header=header)
+    view = memoryview(payload)
+    for off in range(0, len(payload), chunk_bytes):
+        yield pb.TensorMessage(chunk=bytes(view[off : off + chunk_bytes]))
+    digest = _digest(header.auth.signature, payload)
+    yield pb.TensorMessage(trailer=pb.TensorTrailer(digest=digest, signature=identity.sign(digest)))
+
+
+async def read_tensor(
+    messages: AsyncIterator[pb.TensorMessage],
+    verifier: Verifier,
+    max_wire_bytes: int | Callable[[str, pb.TensorHeader], Awaitable[int]],
+) -> ReceivedTensor:
+    """Read one header/chunks/trailer sequence from `messages`, checking signature, sizes and digest.
+
+    `max_wire_bytes` may be a coroutine function of (sender, header) so the limit can come from the round the header
+    names; it raises StreamError to refuse the stream outright.
+    """
+    first = await _next(messages, "header")
+    if first.WhichOneof("part") != "header":
+        raise StreamError("malformed", "tensor stream must start with a header")
+    header = first.header
+    try:
+        sender = verifier.verify(HEADER_METHOD, header)
+    except AuthError as exc:
+        raise StreamError(exc.reason, str(exc)) from exc
+    try:
+        return await _read_body(messages, header, sender, max_wire_bytes)
+    except StreamError as exc:
+        exc.sender = exc.sender or sender
+        raise
+
+
+async def _read_body(
+    messages: AsyncIterator[pb.TensorMessage],
+    header: pb.TensorHeader,
+    sender: str,
+    max_wire_bytes: int | Callable[[str, pb.TensorHeader], Awaitable[int]],
+) -> ReceivedTensor:
+    limit = max_wire_bytes if isinstance(max_wire_bytes, int) else await max_wire_bytes(sender, header)
+    if header.wire_bytes > limit:
+        raise StreamError("oversized", f"tensor payload of {header.wire_bytes} bytes exceeds the {limit} allowed")
+    buf = bytearray()
+    h = hashlib.sha256(header.auth.signature)
+    while True:
+        msg = await _next(messages, "chunk or trailer")
+        part = msg.WhichOneof("part")
+        if part == "chunk":
+            if len(msg.chunk) > MAX_CHUNK:
+                raise StreamError("oversized", f"chunk of {len(msg.chunk)} bytes exceeds 1 MiB")
+            if len(buf) + len(msg.chunk) > header.wire_bytes:
+                raise StreamError("oversized", "stream carries more bytes than its header declared")
+            buf += msg.chunk
+            h.update(msg.chunk)
+        elif part == "trailer":
+            break
+        else:
+            raise StreamError("malformed", "unexpected message inside a tensor stream")
+    if len(buf) != header.wire_bytes:
+        raise StreamError("truncated", f"stream ended after {len(buf)} of {header.wire_bytes} bytes")
+    digest = h.digest()
+    if msg.trailer.digest != digest or not verify(header.auth.public_key, msg.trailer.signature, digest):
+        raise StreamError("bad_signature", "tensor payload does not match the sender's signed digest")
+    return ReceivedTensor(sender, header, buf)
+
+
+async def _next(messages: AsyncIterator[pb.TensorMessage], what: str) -> pb.TensorMessage:
+    try:
+        return await messages.__anext__()
+    except StopAsyncIteration:
+        raise StreamError("truncated", f"stream ended while waiting for a {what}") from None

@@ -1,0 +1,199 @@
+"""Real local swarms for tests: each peer is a `peerd start` process talking gRPC on 127.0.0.1.
+
+Like hivemind's tests, nothing is simulated in-process: a test that needs three peers starts three daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from peerd.demo import to_toml
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY: dict[str, dict[str, Any]] = {
+    "run": {"name": "test", "algorithm": "diloco", "outer_steps": 3},
+    "model": {"preset": "tiny", "seq_len": 32},
+    "data": {"batch_size": 4, "eval_batches": 2},
+    "inner": {"steps": 5, "warmup_steps": 5, "lr": 3e-3},
+    "network": {
+        "gossip_interval": 0.3,
+        "peer_timeout": 3.0,
+        "rendezvous_timeout": 8.0,
+        "round_timeout": 20.0,
+        "match_timeout": 3.0,
+    },
+}
+
+
+def tiny_config(tmp_path: Path, name: str = "run.toml", **overrides: Any) -> Path:
+    """Write a tiny, fast run config. Overrides use SECTION__KEY=value, e.g. inner__steps=10."""
+    raw = {section: dict(values) for section, values in TINY.items()}
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        raw.setdefault(section, {})[field] = value
+    path = tmp_path / name
+    path.write_text(to_toml(raw))
+    return path
+
+
+class Peer:
+    def __init__(self, index: int, data_dir: Path, proc: subprocess.Popen) -> None:
+        self.index = index
+        self.data_dir = data_dir
+        self.proc = proc
+
+    def wait_file(self, name: str, timeout: float = 60.0) -> str:
+        path = self.data_dir / name
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return path.read_text().strip()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"peer {self.index} exited ({self.proc.returncode}):\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"peer {self.index}: {name} did not appear\n{self.log_tail()}")
+
+    @property
+    def address(self) -> str:
+        return self.wait_file("address")
+
+    @property
+    def metrics_address(self) -> str:
+        return self.wait_file("metrics_address")
+
+    def status(self, timeout: float = 3.0) -> Any:
+        from peerd.status import fetch_status
+
+        return fetch_status(self.address, timeout)
+
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.data_dir / "summary.json").read_text())
+
+    def log(self) -> str:
+        path = self.data_dir / "log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def kill(self) -> None:
+        """kill -9: no leave, no checkpoint."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"peer {self.index} still running after {timeout}s:\n{self.log_tail()}") from None
+
+
+class Swarm:
+    def __init__(
+        self,
+        tmp_path: Path,
+        n: int,
+        config: Path | None = None,
+        metrics: bool = False,
+        wait_peers: bool = True,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.tmp_path = tmp_path
+        self.n = n
+        self.config = config or tiny_config(tmp_path)
+        self.metrics = metrics
+        self.wait_peers = wait_peers
+        self.extra_args = extra_args or []
+        self.peers: list[Peer] = []
+
+    def spawn(
+        self,
+        index: int,
+        bootstrap: str | None,
+        *,
+        config: Path | None = None,
+        wait_peers: int = 0,
+        extra: list[str] | None = None,
+    ) -> Peer:
+        data = self.tmp_path / f"peer{index}"
+        data.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "peerd", "start", "--config", str(config or self.config),
+            "--listen", "127.0.0.1:0", "--data-dir", str(data), "--shard", str(index), "--threads", "1",
+            "--insecure", *self.extra_args, *(extra or []),
+        ]  # fmt: skip
+        if wait_peers > 1:
+            cmd += ["--wait-peers", str(wait_peers)]
+        if self.metrics:
+            cmd += ["--metrics", "127.0.0.1:0"]
+        if bootstrap:
+            cmd += ["--bootstrap", bootstrap]
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        with open(data / "log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        peer = Peer(index, data, proc)
+        return peer
+
+    def start(self) -> Swarm:
+        wait = self.n if self.wait_peers else 0
+        first = self.spawn(0, None, wait_peers=wait)
+        self.peers.append(first)
+        boot = first.address
+        for i in range(1, self.n):
+            self.peers.append(self.spawn(i, boot, wait_peers=wait))
+        for p in self.peers:
+            p.wait_file("address")
+        return self
+
+    def add_peer(self, bootstrap_index: int = 0, **kw: Any) -> Peer:
+        peer = self.spawn(len(self.peers), self.peers[bootstrap_index].address, **kw)
+        self.peers.append(peer)
+        return peer
+
+    def wait_until(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if pred():
+                    return
+            except Exception:  # a peer may be restarting; ask again
+                pass
+            time.sleep(0.2)
+        logs = "\n".join(f"--- peer {p.index}\n{p.log_tail()}" for p in self.peers)
+        raise TimeoutError(f"timed out waiting for {what}\n{logs}")
+
+    def wait_exit(self, timeout: float, peers: list[Peer] | None = None) -> None:
+        for p in peers or self.peers:
+            code = p.wait(timeout)
+            assert code == 0, f"peer {p.index} exited with {code}:\n{p.log_tail()}"
+
+    def stop(self) -> None:
+        for p in self.peers:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in self.peers:
+            try:
+                p.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+
+    def __enter__(self) -> Swarm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
