@@ -32,5 +32,9 @@ class OuterAlgorithm(ABC):
     def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
         """Adopt a downloaded or checkpointed global state (and reset local params to it)."""
 
+    def before_optimizer_step(self, worker: Worker) -> None:  # noqa: B027 - optional hook
+        """Called after backward and before gradient clipping and the inner optimizer step (the every-step
+        all-reduce baseline averages gradients here)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release background resources (threads, in-flight exchanges)."""

@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ALGORITHMS = ("diloco", "streaming", "noloco")
+ALGORITHMS = ("diloco", "streaming", "noloco", "ddp")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4")
 
 
@@ -240,7 +240,7 @@ TEMPLATE = """\
 
 [run]
 name = "peerd-run"
-algorithm = "diloco"      # diloco | streaming | noloco
+algorithm = "diloco"      # diloco | streaming | noloco | ddp (every-step all-reduce baseline)
 seed = 0                  # all peers start from the same weights built from this seed
 outer_steps = 0           # this peer stops after this many outer steps (0 = run until stopped); local
 

@@ -9,6 +9,7 @@ the algorithm needs it, and that wait is what the loop measures as compute-idle 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -75,7 +76,7 @@ class LocalStatus:
     solo_steps: int = 0
     finished: bool = False
     last_round: pb.RoundSummary | None = None
-    recent_rounds: deque = field(default_factory=lambda: deque(maxlen=32))
+    recent_rounds: deque = field(default_factory=lambda: deque(maxlen=1024))
 
 
 class Daemon:
@@ -438,6 +439,12 @@ class Daemon:
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
         return self.call(self._allreduce(step, vector, fragment))
 
+    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+        """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
+        result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be modified until it is done."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(self._allreduce(step, vector, fragment), self.loop)
+
     async def _allreduce(self, step: int, vector: torch.Tensor, fragment: int) -> RoundResult:
         suspects: set[str] = set()
         t0 = time.perf_counter()
@@ -598,7 +605,7 @@ class Daemon:
             rounds_failed=s.rounds_failed,
             rejected_messages=s.rejected_messages,
             solo_steps=s.solo_steps,
-            recent_rounds=list(s.recent_rounds),
+            recent_rounds=list(s.recent_rounds)[-16:],
             finished=s.finished,
             state=s.state,
         )

@@ -63,6 +63,10 @@ def make_algorithm(worker: Worker) -> OuterAlgorithm:
         from peerd.streaming import StreamingDiLoCo
 
         return StreamingDiLoCo(worker)
+    if name == "ddp":
+        from peerd.ddp import DataParallel
+
+        return DataParallel(worker)
     raise ValueError(f"unknown algorithm {name!r}")
 
 
@@ -154,6 +158,7 @@ class Worker:
             _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self.algorithm.before_optimizer_step(self)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.opt.step()
@@ -228,6 +233,19 @@ class Worker:
             "solo_steps": st.solo_steps,
             "rejected_messages": st.rejected_messages,
             "round_seconds": [r.seconds for r in st.recent_rounds],
+            "rounds": [
+                {
+                    "step": r.step,
+                    "fragment": r.fragment,
+                    "included": list(r.included),
+                    "expected": list(r.expected),
+                    "partial": r.partial,
+                    "seconds": r.seconds,
+                    "wire_bytes": r.wire_bytes,
+                    "note": r.note,
+                }
+                for r in st.recent_rounds
+            ],
             "finished": st.finished,
         }
         tmp = self.data_dir / "summary.json.tmp"
