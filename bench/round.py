@@ -32,7 +32,8 @@ def worker(args: argparse.Namespace) -> None:
     from peerd.identity import Identity
     from peerd.statesync import StateSnapshot
 
-    cfg = RunConfig.from_dict({"codec": {"name": args.codec}, "network": dict(BENCH_NETWORK)})
+    codec = {"name": args.codec, "zstd_level": args.zstd_level}
+    cfg = RunConfig.from_dict({"codec": codec, "network": dict(BENCH_NETWORK)})
     data = Path(args.out).parent / f"peer{args.index}"
     daemon = Daemon(cfg, Identity.generate(), listen="127.0.0.1:0", bootstrap=args.bootstrap, data_dir=data)
     daemon.start()
@@ -53,9 +54,9 @@ def worker(args: argparse.Namespace) -> None:
     daemon.stop()
 
 
-def run_swarm(n: int, params: int, rounds: int, codec: str, workdir: Path) -> list[dict]:
+def run_swarm(n: int, params: int, rounds: int, codec: str, zstd_level: int, workdir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "bench.round", "--worker", "--params", str(params), "--rounds", str(rounds),
-           "--codec", codec, "--n", str(n)]  # fmt: skip
+           "--codec", codec, "--n", str(n), "--zstd-level", str(zstd_level)]  # fmt: skip
     procs = [subprocess.Popen([*cmd, "--index", "0", "--out", str(workdir / "r0.json")])]
     addr_file = workdir / "peer0" / "address"
     deadline = time.monotonic() + 60
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="2,3,4")
     ap.add_argument("--rounds", type=int, default=7, help="rounds per swarm; the first is a warm-up and not counted")
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--zstd-level", type=int, default=0, help="0: no compression (the plain fp32 baseline)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'peers':>5} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13}")
     for n in [int(x) for x in args.peers.split(",")]:
         with tempfile.TemporaryDirectory(prefix="peerd-bench-round-") as tmp:
-            results = run_swarm(n, args.params, args.rounds, args.codec, Path(tmp))
+            results = run_swarm(n, args.params, args.rounds, args.codec, args.zstd_level, Path(tmp))
         per_round = [max(r["times"][k] for r in results) for k in range(1, args.rounds)]
         med = statistics.median(per_round)
         wire = statistics.median(r["stats"][k][0] + r["stats"][k][1] for r in results for k in range(1, args.rounds))

@@ -149,10 +149,11 @@ class ReduceRound:
         return encoded, self.codec.decode(encoded, acc.numel())
 
     async def serve(
-        self, first_message_stream: AsyncIterator[pb.TensorMessage], verifier: Verifier
+        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str
     ) -> AsyncIterator[pb.TensorMessage]:
-        """Server side of one Reduce stream: take a member's contribution, then reply with the averaged shard."""
-        rx = await read_tensor(first_message_stream, verifier, self._max_wire_async)
+        """Server side of one Reduce stream (whose header the service already verified as `sender`'s): take the
+        member's contribution, then reply with the averaged shard."""
+        rx = await read_tensor(messages, verifier, self._max_wire_async, verified_sender=sender)
         if rx.header.round_id != self.group.round_id:
             raise StreamError("wrong_round", "contribution names another round")
         await self.add_contribution(rx.sender, rx.payload)

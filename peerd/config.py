@@ -283,7 +283,7 @@ late_policy = "wait"      # wait | skip
 
 [codec]
 name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4
-zstd_level = 3
+zstd_level = 3            # 0 switches zstd off; otherwise each frame drops it when it does not pay
 block_size = 256
 error_feedback = false
 

@@ -99,7 +99,12 @@ class Daemon:
         self.data_dir = Path(data_dir)
         self.metrics_listen = metrics_listen
         self.run_id = cfg.run_id()
-        self.codec: Codec = make_codec(cfg.codec.name, zstd_level=cfg.codec.zstd_level, block_size=cfg.codec.block_size)
+        self.codec: Codec = make_codec(
+            cfg.codec.name,
+            zstd_level=max(cfg.codec.zstd_level, 1),
+            block_size=cfg.codec.block_size,
+            zstd=cfg.codec.zstd_level > 0,
+        )
         self.me = pb.PeerInfo(
             peer_id=identity.peer_id, public_key=identity.public_key, incarnation=time.time_ns(), heartbeat=1
         )

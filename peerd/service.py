@@ -17,7 +17,7 @@ from peerd.codecs import CodecError
 from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.statesync import state_messages
-from peerd.streams import StreamError
+from peerd.streams import StreamError, verify_header
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -114,10 +114,11 @@ class RoundsService(rpc.RoundsServicer):
             first = await it.__anext__()
             if first.WhichOneof("part") != "header":
                 raise StreamError("malformed", "Reduce: stream must start with a header")
+            sender = verify_header(self.d.verifier, first.header)
             rnd = await self.d.wait_round(first.header.round_id)
             if rnd is None:
                 raise StreamError("unknown_round", "Reduce: no such round here")
-            async for msg in rnd.serve(_prepend(first, it), self.d.verifier):
+            async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
                 yield msg
         except StopAsyncIteration:
             await self.d.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
