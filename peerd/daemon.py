@@ -77,6 +77,7 @@ class LocalStatus:
     finished: bool = False
     last_round: pb.RoundSummary | None = None
     recent_rounds: deque = field(default_factory=lambda: deque(maxlen=1024))
+    history: deque = field(default_factory=lambda: deque(maxlen=64))  # dicts of OuterStepRecord fields
 
 
 class Daemon:
@@ -613,6 +614,7 @@ class Daemon:
             recent_rounds=list(s.recent_rounds)[-16:],
             finished=s.finished,
             state=s.state,
+            history=[pb.OuterStepRecord(**h) for h in list(s.history)[-16:]],
         )
 
     # -- NoLoCo hooks (peerd.noloco installs `pairing`) -----------------------------------------------------------

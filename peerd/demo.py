@@ -133,7 +133,7 @@ def run_demo(args: argparse.Namespace) -> int:
         addresses = [first] + [
             _wait_file(workdir / f"peer{i}" / "address", procs[i], 120) for i in range(1, args.peers)
         ]
-        _follow(procs, addresses, args)
+        _follow(procs, addresses, args, [workdir / f"peer{i}" for i in range(args.peers)])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -152,7 +152,11 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"peer {i} failed (exit {procs[i].returncode}):\n  " + "\n  ".join(tail), file=sys.stderr)
         return 1
     diff, spread = max_param_diff(dirs)
-    hist = summaries[0]["history"]
+
+    def mean_at(index: int, key: str) -> float | None:
+        vals = [s["history"][index][key] for s in summaries if s["history"]]
+        return sum(vals) / len(vals) if vals else None
+
     total_compute = sum(s["compute_seconds"] for s in summaries)
     total_idle = sum(s["compute_idle_seconds"] for s in summaries)
     result = {
@@ -160,10 +164,10 @@ def run_demo(args: argparse.Namespace) -> int:
         "algorithm": args.algorithm,
         "codec": args.codec,
         "outer_steps": min(s["outer_step"] for s in summaries),
-        "loss_first": hist[0]["loss"] if hist else None,
-        "loss_last": hist[-1]["loss"] if hist else None,
-        "eval_loss_first": hist[0]["eval_loss"] if hist else None,
-        "eval_loss_last": hist[-1]["eval_loss"] if hist else None,
+        "loss_first": mean_at(0, "loss"),
+        "loss_last": mean_at(-1, "loss"),
+        "eval_loss_first": mean_at(0, "eval_loss"),
+        "eval_loss_last": mean_at(-1, "eval_loss"),
         "bytes_sent_total": sum(s["bytes_sent_raw"] for s in summaries),
         "wire_bytes_total": sum(s["bytes_sent_wire"] for s in summaries),
         "max_param_diff": diff,
@@ -196,42 +200,78 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _follow(procs: list[subprocess.Popen], addresses: list[str], args: argparse.Namespace) -> None:
-    """Poll every peer's Status until all have exited; print a line per completed outer step."""
-    from peerd.progress import Progress
+class _Printer:
+    """Prints one line per outer step, in order, from whichever source has it first: live Status polls while the
+    peers run, their summary.json files once they have exited."""
+
+    def __init__(self, n: int, total: int) -> None:
+        from peerd.progress import Progress
+
+        self.n = n
+        self.shown = 0
+        self.progress = Progress(stream=sys.stdout, total_steps=total)
+        self.steps: dict[int, dict[int, dict]] = {}  # step -> peer -> record
+        self.rounds: dict[int, dict] = {}  # step -> round summary (any peer)
+        self.sent: dict[int, int] = {}
+        self.wire: dict[int, int] = {}
+
+    def add(self, peer: int, records: list[dict], rounds: list[dict], sent: int, wire: int) -> None:
+        for r in records:
+            self.steps.setdefault(int(r["outer_step"]), {})[peer] = r
+        for r in rounds:
+            self.rounds.setdefault(int(r["step"]) + 1, r)
+        self.sent[peer], self.wire[peer] = sent, wire
+
+    def flush(self, final: bool = False) -> None:
+        while self.shown + 1 in self.steps and (final or len(self.steps[self.shown + 1]) == self.n):
+            self.shown += 1
+            recs = list(self.steps[self.shown].values())
+            loss = sum(r["loss"] for r in recs) / len(recs)
+            tps = sum(r.get("tokens_per_second", 0.0) for r in recs)
+            rnd = self.rounds.get(self.shown)
+            peers = f"{len(rnd['included'])}/{len(rnd['expected'])}" if rnd else "-"
+            secs = f"{rnd['seconds']:.2f}s" if rnd else "-"
+            self.progress.log(
+                f"outer step {self.shown:>3} | loss {loss:.4f} | {tps:7.0f} tok/s | peers in round {peers} | "
+                f"sent {sum(self.sent.values()) / 1e6:.2f} MB (wire {sum(self.wire.values()) / 1e6:.2f} MB) | "
+                f"round {secs}"
+            )
+
+
+def _follow(procs: list[subprocess.Popen], addresses: list[str], args: argparse.Namespace, dirs: list[Path]) -> None:
+    """Poll every peer's Status until all have exited, printing a line per completed outer step."""
+    from google.protobuf.json_format import MessageToDict
+
     from peerd.status import fetch_status
 
-    progress = Progress(stream=sys.stdout, total_steps=args.outer_steps)
-    shown = 0
+    printer = _Printer(len(procs), args.outer_steps)
     deadline = time.monotonic() + args.timeout
-    last: dict[int, Any] = {}
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
             raise TimeoutError(f"demo did not finish within {args.timeout:.0f}s")
         for i, addr in enumerate(addresses):
-            if procs[i].poll() is None:
-                with contextlib.suppress(Exception):  # a peer busy or shutting down: poll again
-                    last[i] = fetch_status(addr, timeout=2)
-        steps = [st.outer_step for st in last.values()]
-        done = min(steps) if len(steps) == len(procs) else 0
-        while shown < done:
-            shown += 1
-            st = last[0]
-            r = st.last_round
-            peers = f"{len(r.included)}/{len(r.expected)}" if r.included else "-"
-            sent = sum(s.bytes_sent_raw for s in last.values()) / 1e6
-            wire = sum(s.bytes_sent_wire for s in last.values()) / 1e6
-            progress.log(
-                f"outer step {shown:>3} | loss {st.loss:.4f} | {sum(s.tokens_per_second for s in last.values()):7.0f}"
-                f" tok/s | peers in round {peers} | sent {sent:.2f} MB (wire {wire:.2f} MB) | round {r.seconds:.2f}s"
-            )
-        if last:
-            st = last[0]
-            progress.update(
-                step=st.outer_step,
-                loss=st.loss,
-                peers=len(st.alive),
-                bytes=sum(s.bytes_sent_wire for s in last.values()),
-            )
+            if procs[i].poll() is not None:
+                continue
+            with contextlib.suppress(Exception):  # a peer busy or shutting down: poll again
+                st = fetch_status(addr, timeout=2)
+                printer.add(
+                    i,
+                    [MessageToDict(h, preserving_proto_field_name=True) for h in st.history],
+                    [
+                        MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                        for r in st.recent_rounds
+                    ],
+                    st.bytes_sent_raw,
+                    st.bytes_sent_wire,
+                )
+                printer.progress.update(
+                    step=st.outer_step, loss=st.loss, peers=len(st.alive), sent=sum(printer.wire.values())
+                )
+        printer.flush()
         time.sleep(0.3)
-    progress.close()
+    for i, d in enumerate(dirs):
+        s = _read_json(d / "summary.json")
+        if s is not None:
+            printer.add(i, s["history"], s["rounds"], s["bytes_sent_raw"], s["bytes_sent_wire"])
+    printer.flush(final=True)
+    printer.progress.close()

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from peerd.channels import CHANNEL_OPTIONS
@@ -21,8 +22,28 @@ def fetch_status(address: str, timeout: float = 5.0) -> pb.StatusResponse:
         return rpc.MembershipStub(ch).Status(pb.StatusRequest(), timeout=timeout)
 
 
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64}
+
+
+def _ints(d: Any, desc: Any) -> Any:
+    """MessageToDict writes 64-bit ints as strings (for JavaScript); make them numbers again for our JSON users."""
+    if isinstance(d, list):
+        return [_ints(x, desc) for x in d]
+    if not isinstance(d, dict):
+        return d
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        if f.type in _INT64:
+            d[f.name] = [int(v) for v in d[f.name]] if isinstance(d[f.name], list) else int(d[f.name])
+        elif f.message_type is not None:
+            d[f.name] = _ints(d[f.name], f.message_type)
+    return d
+
+
 def status_dict(st: pb.StatusResponse) -> dict[str, Any]:
     d = MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    d = _ints(d, pb.StatusResponse.DESCRIPTOR)
     for key in ("loss", "eval_loss"):  # JSON has no NaN: report an unknown loss as null
         if isinstance(d.get(key), str) or (isinstance(d.get(key), float) and not math.isfinite(d[key])):
             d[key] = None

@@ -200,7 +200,14 @@ class Worker:
         st.loss = train_loss
         st.eval_loss = self.evaluate()
         st.outer_step = self.outer_step
-        self.history.append({"outer_step": self.outer_step, "loss": train_loss, "eval_loss": st.eval_loss})
+        record = {
+            "outer_step": self.outer_step,
+            "loss": train_loss,
+            "eval_loss": st.eval_loss,
+            "tokens_per_second": st.tokens_per_second,
+        }
+        self.history.append(record)
+        st.history.append(record)
         m = self.daemon.metrics
         if m is not None:
             m.train_loss.set(train_loss)

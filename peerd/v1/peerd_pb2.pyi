@@ -123,7 +123,7 @@ class RoundSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state")
+    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class StatusResponse(_message.Message):
     SPREAD_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     address: str
@@ -176,7 +177,20 @@ class StatusResponse(_message.Message):
     spread: float
     finished: bool
     state: str
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[OuterStepRecord]
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ...) -> None: ...
+
+class OuterStepRecord(_message.Message):
+    __slots__ = ("outer_step", "loss", "eval_loss", "tokens_per_second")
+    OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    outer_step: int
+    loss: float
+    eval_loss: float
+    tokens_per_second: float
+    def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("auth", "step", "attempt", "suspects", "fragment")

@@ -1,0 +1,88 @@
+"""The `peerd` command as a user runs it: init, status, demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peerd.config import RunConfig
+from tests.swarm import REPO, Swarm, tiny_config
+
+
+def peerd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "peerd", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def test_init_writes_a_loadable_config_and_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    out = peerd("init", str(path))
+    assert out.returncode == 0, out.stderr
+    assert RunConfig.load(path).run.algorithm == "diloco"
+    again = peerd("init", str(path))
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+
+def test_start_with_a_bad_config_says_which_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[inner]\nlr = 'fast'\n")
+    out = peerd("start", "--config", str(path), "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"))
+    assert out.returncode == 2 and "inner.lr" in out.stderr
+
+
+@pytest.mark.slow
+def test_status_text_and_json(tmp_path: Path) -> None:
+    with Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=0)) as swarm:
+        swarm.wait_until(lambda: swarm.peers[1].status().outer_step >= 1, 120, "a round")
+        addr = swarm.peers[1].address
+        text = peerd("status", addr, timeout=30)
+        assert text.returncode == 0, text.stderr
+        assert "run " in text.stdout and "last round" in text.stdout and "included" in text.stdout
+        js = json.loads(peerd("status", addr, "--json", timeout=30).stdout)
+        assert js["peer_id"] and js["run_id"] and js["outer_step"] >= 1
+        assert len(js["alive"]) == 2 and len(js["peers"]) == 2
+        assert set(js["last_round"]["included"]) == set(js["alive"])
+        assert js["last_round"]["wire_bytes"] > 0 and js["last_round"]["seconds"] > 0
+    missing = peerd("status", "127.0.0.1:1", timeout=30)
+    assert missing.returncode == 1 and "cannot get status" in missing.stderr
+
+
+@pytest.mark.slow
+def test_demo_json_summary(tmp_path: Path) -> None:
+    out = peerd(
+        "demo",
+        "--peers",
+        "2",
+        "--outer-steps",
+        "3",
+        "--inner-steps",
+        "10",
+        "--json",
+        "--workdir",
+        str(tmp_path / "demo"),
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "outer step   3" in out.stdout
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in (
+        "peers",
+        "algorithm",
+        "outer_steps",
+        "loss_first",
+        "loss_last",
+        "bytes_sent_total",
+        "max_param_diff",
+        "wire_bytes_total",
+        "compute_idle_fraction",
+    ):
+        assert key in summary, key
+    assert summary["peers"] == 2 and summary["algorithm"] == "diloco" and summary["outer_steps"] == 3
+    assert summary["max_param_diff"] == 0.0
+    assert summary["loss_last"] < summary["loss_first"]
+    assert summary["bytes_sent_total"] > 0
