@@ -1,0 +1,32 @@
+"""Turn 1-D float32 tensors (fragments of pseudo-gradients or parameters) into frames of bytes and back.
+
+Every exchange in peerd goes through this layer::
+
+    codec = make_codec("int4", zstd_level=3, block_size=256)
+    frame = codec.encode(x)                     # quantized on x's device, framed, zstd when it pays
+    y = codec.decode(frame, x.numel(), "cuda")  # strict: raises CodecError on anything suspicious
+
+Codecs: ``fp32`` (lossless), ``bf16`` (cast), ``int8`` / ``int4`` (blockwise absmax), ``fp8`` (e4m3 with a
+per-block scale), ``e3m0`` (sign + 3-bit exponent, as in Streaming DiLoCo). See ``frame.py`` for the wire
+format and ``quant.py`` for the quantizers and their error bounds.
+"""
+
+from peerd.codecs.base import MAX_NUMEL, Codec
+from peerd.codecs.errors import CodecError
+from peerd.codecs.feedback import ErrorFeedback
+from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, FrameHeader, parse_header
+from peerd.codecs.registry import CODEC_IDS, CODEC_NAMES, make_codec
+
+__all__ = [
+    "CODEC_IDS",
+    "CODEC_NAMES",
+    "HEADER_SIZE",
+    "MAX_NUMEL",
+    "TRAILER_SIZE",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "FrameHeader",
+    "make_codec",
+    "parse_header",
+]

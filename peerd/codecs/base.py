@@ -1,0 +1,156 @@
+"""The Codec interface and the frame handling every codec shares (framing, zstd, checksum, validation).
+
+Subclasses only turn a tensor into a raw body (``scales || payload``) and back; this class wraps that body
+in a frame on the way out and, on the way in, checks the frame against the receiver's own expectations
+before a single byte is allocated.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+from peerd.codecs.compression import check_level, compress_if_pays, decompress_exact
+from peerd.codecs.errors import CodecError
+from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, open_frame, seal_frame
+
+MAX_NUMEL = 1 << 40
+"""Largest tensor a frame may describe (4 TiB of float32): a sanity bound on sizes, far above any fragment."""
+
+
+def host_byte_view(t: Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (torch tensors do not export the buffer protocol).
+
+    The caller must keep ``t`` alive while the view is in use.
+    """
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def check_input(x: Tensor) -> Tensor:
+    """Accept only a 1-D float32 tensor; returns it contiguous."""
+    if not isinstance(x, Tensor):
+        raise CodecError(f"encode expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise CodecError(f"encode expects float32, got {x.dtype}")
+    if x.dim() != 1:
+        raise CodecError(f"encode expects a 1-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() > MAX_NUMEL:
+        raise CodecError(f"tensor of {x.numel()} elements exceeds the frame limit of {MAX_NUMEL}")
+    return x.detach().contiguous()
+
+
+def check_numel(numel: int) -> int:
+    """An element count the caller expects: any integer type (numpy, 0-d tensor) but bool, within bounds."""
+    try:
+        value = operator.index(numel) if not isinstance(numel, bool) else -1
+    except TypeError:
+        value = -1
+    if not 0 <= value <= MAX_NUMEL:
+        raise CodecError(f"expected_numel must be an int in [0, {MAX_NUMEL}], got {numel!r}")
+    return value
+
+
+def finite_or_raise(t: Tensor, what: str) -> None:
+    """One pass, no full-size temporary: min/max propagate NaN, and a finite min and max bound everything."""
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        raise CodecError(f"{what} contains NaN or Inf")
+
+
+class Codec(ABC):
+    """Turns a 1-D float32 tensor into one self-describing frame and back (see ``peerd.codecs``)."""
+
+    name: str
+    codec_id: int
+
+    def __init__(self, *, zstd_level: int = 3, zstd: bool = True) -> None:
+        self.zstd_level = check_level(zstd_level)
+        self.zstd = bool(zstd)
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale block, 0 for codecs without scales."""
+        return 0
+
+    @abstractmethod
+    def body_layout(self, numel: int) -> tuple[int, int]:
+        """Raw byte lengths ``(scales_len, payload_len)`` of the body for ``numel`` elements."""
+
+    @abstractmethod
+    def _encode_body(self, x: Tensor) -> Tensor:
+        """Raw body of a checked, non-empty ``x`` as a contiguous uint8 CPU tensor of exactly the layout size."""
+
+    @abstractmethod
+    def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
+        """Float32 tensor of ``numel`` values from a raw body (uint8, already on the target device)."""
+
+    def encode(self, x: Tensor) -> bytes:
+        """Quantize on ``x``'s device, copy only the encoded body to the host, and frame it.
+
+        Raises CodecError for a tensor that is not 1-D float32 or holds NaN/Inf.
+        """
+        x = check_input(x)
+        numel = x.numel()
+        scales_len, payload_len = self.body_layout(numel)
+        body = self._encode_body(x) if numel else torch.empty(0, dtype=torch.uint8)
+        if body.numel() != scales_len + payload_len:  # pragma: no cover - guards subclass bugs
+            raise AssertionError(f"{self.name} body is {body.numel()} bytes, layout says {scales_len + payload_len}")
+        raw = host_byte_view(body) if body.numel() else memoryview(b"")
+        packed = compress_if_pays(raw, self.zstd_level) if self.zstd else None
+        header = FrameHeader(
+            codec_id=self.codec_id,
+            numel=numel,
+            block_size=self.block_size,
+            flags=FLAG_ZSTD if packed is not None else 0,
+            scales_len=scales_len,
+            payload_len=payload_len,
+            stored_len=len(packed) if packed is not None else len(raw),
+        )
+        frame = seal_frame(header, packed if packed is not None else raw)
+        del raw, body  # the view borrowed body's memory; release it only now
+        return frame
+
+    def decode(
+        self, data: bytes | bytearray | memoryview, expected_numel: int, device: str | torch.device = "cpu"
+    ) -> Tensor:
+        """Decode one frame into a fresh float32 tensor of ``expected_numel`` elements on ``device``.
+
+        Raises CodecError on any truncation, corruption, lie, or NaN/Inf; bit-identical on every device.
+        """
+        numel = check_numel(expected_numel)
+        scales_len, payload_len = self.body_layout(numel)
+        header, stored = open_frame(
+            data,
+            codec_id=self.codec_id,
+            numel=numel,
+            block_size=self.block_size,
+            scales_len=scales_len,
+            payload_len=payload_len,
+        )
+        target = torch.device(device)
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32, device=target)
+        # A private writable copy (or the bounded decompression output) backs the tensor: frames arrive as
+        # read-only bytes, which torch can only wrap with a warning, and fp32 returns this memory as-is.
+        raw = decompress_exact(stored, header.raw_len) if header.compressed else bytearray(stored)
+        body = torch.frombuffer(raw, dtype=torch.uint8)
+        if target.type != "cpu":
+            body = body.to(target)
+        return self._decode_body(body, numel)
+
+    def max_encoded_size(self, numel: int) -> int:
+        """Upper bound of ``len(encode(x))`` for ``x.numel() == numel`` (compression never grows a frame)."""
+        scales_len, payload_len = self.body_layout(check_numel(numel))
+        return HEADER_SIZE + scales_len + payload_len + TRAILER_SIZE
+
+    def __repr__(self) -> str:
+        zstd = f"zstd={self.zstd_level}" if self.zstd else "zstd=off"
+        block = f", block_size={self.block_size}" if self.block_size else ""
+        return f"{type(self).__name__}({self.name!r}{block}, {zstd})"

@@ -1,0 +1,122 @@
+"""zstd on top of a frame body: compress only when it pays, decompress only into a buffer of known size.
+
+``decompress_exact`` never lets the sender size an allocation: the output buffer is the raw length the
+receiver derived from its own expected numel, the zstd frame must declare exactly that content size, the
+decoder's window is capped by it, and the frame's block structure must end exactly at the end of the body
+(no trailing bytes, no second frame). zstandard's one-shot ``decompress`` trusts a declared content size over
+``max_output_size``, so it is not used.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import zstandard
+
+from peerd.codecs.errors import CodecError
+
+PAYS_RATIO = 0.97
+"""Keep the compressed body only when it is smaller than this fraction of the raw body."""
+MIN_COMPRESS_BYTES = 64
+MIN_LEVEL, MAX_LEVEL = -7, zstandard.MAX_COMPRESSION_LEVEL
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_BLOCK_HEADER = 3
+_MAX_WINDOW_LOG = 27  # zstd's own default limit; windows never exceed next_pow2(content size) anyway
+_MIN_WINDOW_LOG = 10
+
+_local = threading.local()  # zstd contexts are not thread-safe; keep one per thread
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("compressors", {})
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return comp
+
+
+def _decompressor(window_log: int) -> zstandard.ZstdDecompressor:
+    cache: dict[int, zstandard.ZstdDecompressor] = _local.__dict__.setdefault("decompressors", {})
+    dec = cache.get(window_log)
+    if dec is None:
+        dec = cache[window_log] = zstandard.ZstdDecompressor(max_window_size=1 << window_log)
+    return dec
+
+
+def check_level(level: int) -> int:
+    """Validate a zstd level (negative levels are zstd's fast modes)."""
+    if isinstance(level, bool) or not isinstance(level, int) or not MIN_LEVEL <= level <= MAX_LEVEL:
+        raise ValueError(f"zstd level must be an int in [{MIN_LEVEL}, {MAX_LEVEL}], got {level!r}")
+    return level
+
+
+def compress_if_pays(raw: memoryview, level: int) -> bytes | None:
+    """zstd-compress ``raw``; None when the result would not be below PAYS_RATIO of the raw size.
+
+    No sampling heuristic is needed: zstd detects incompressible blocks and stores them at >1 GB/s.
+    """
+    if len(raw) < MIN_COMPRESS_BYTES:
+        return None
+    packed = _compressor(level).compress(raw)
+    return packed if len(packed) < PAYS_RATIO * len(raw) else None
+
+
+def _frame_length(stored: memoryview, max_blocks: int) -> int:
+    """Byte length of the single zstd frame at the start of ``stored``, walking its block headers."""
+    try:
+        pos = zstandard.frame_header_size(stored)
+        has_checksum = zstandard.get_frame_parameters(stored).has_checksum
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"bad zstd frame header: {exc}") from exc
+    for _ in range(max_blocks):
+        if pos + _BLOCK_HEADER > len(stored):
+            raise CodecError("truncated zstd frame (block header past the end of the body)")
+        head = int.from_bytes(stored[pos : pos + _BLOCK_HEADER], "little")
+        pos += _BLOCK_HEADER
+        last, kind, size = head & 1, (head >> 1) & 3, head >> 3
+        if kind == 3:
+            raise CodecError("corrupt zstd frame (reserved block type)")
+        pos += 1 if kind == 1 else size
+        if last:
+            pos += 4 if has_checksum else 0
+        if pos > len(stored):
+            raise CodecError("truncated zstd frame (block past the end of the body)")
+        if last:
+            return pos
+    raise CodecError(f"zstd frame has more than {max_blocks} blocks for its declared size")
+
+
+def decompress_exact(stored: memoryview, raw_len: int) -> bytearray:
+    """Decompress one zstd frame that must expand to exactly ``raw_len`` bytes (bounded, strict)."""
+    if len(stored) < 4 or bytes(stored[:4]) != _ZSTD_MAGIC:
+        raise CodecError("compressed body is not a zstd frame (bad zstd magic)")
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"bad zstd frame header: {exc}") from exc
+    if declared != raw_len:
+        raise CodecError(f"zstd frame declares {declared} content bytes, expected exactly {raw_len}")
+    # A zstd block holds up to 128 KiB and our encoder's window is >= 1 KiB, so a genuine frame has at most
+    # raw_len / 1 KiB + 1 blocks; the cap keeps the walk short whatever the sender claims.
+    frame_len = _frame_length(stored, max_blocks=raw_len // 1024 + 2)
+    if frame_len != len(stored):
+        raise CodecError(f"zstd frame is {frame_len} bytes but the body holds {len(stored)}: trailing data")
+    window_log = min(_MAX_WINDOW_LOG, max(_MIN_WINDOW_LOG, (raw_len - 1).bit_length()))
+    out = bytearray(raw_len)
+    try:
+        reader = _decompressor(window_log).stream_reader(stored, read_size=len(stored))
+        with reader:
+            got = 0
+            view = memoryview(out)
+            while got < raw_len:
+                n = reader.readinto(view[got:])
+                if n == 0:
+                    break
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"corrupt zstd body: {exc}") from exc
+    if got != raw_len or extra:
+        raise CodecError(f"zstd body expands to {'more' if extra else got} bytes, expected {raw_len}")
+    return out
