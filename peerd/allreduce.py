@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from peerd.codecs import Codec
+from peerd import faults
+from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier
 from peerd.identity import Identity
 from peerd.streams import StreamError, read_tensor, tensor_messages
@@ -52,6 +53,7 @@ class RoundResult:
     group: pb.Group
     included: list[str]
     stats: RoundStats = field(default_factory=RoundStats)
+    sent_decoded: torch.Tensor | None = None  # what our contribution decodes to (for error feedback), if asked
 
     @property
     def partial(self) -> bool:
@@ -85,7 +87,9 @@ class ReduceRound:
         executor: Executor,
         timeout_s: float,
         chunk_bytes: int,
+        want_decoded: bool = False,
     ) -> None:
+        self.want_decoded = want_decoded
         self.group = group
         self.identity = identity
         self.run_id = run_id
@@ -156,7 +160,10 @@ class ReduceRound:
         rx = await read_tensor(messages, verifier, self._max_wire_async, verified_sender=sender)
         if rx.header.round_id != self.group.round_id:
             raise StreamError("wrong_round", "contribution names another round")
-        await self.add_contribution(rx.sender, rx.payload)
+        try:
+            await self.add_contribution(rx.sender, rx.payload)
+        except CodecError as exc:  # a member's frame does not decode: the round cannot complete with it
+            raise StreamError("malformed", f"contribution does not decode: {exc}", sender=rx.sender) from exc
         remaining = self.deadline - time.monotonic()
         encoded, _ = await asyncio.wait_for(asyncio.shield(self.reduced), max(remaining, 0.01))
         header = pb.TensorHeader(
@@ -215,10 +222,16 @@ class ReduceRound:
         for j, (lo, hi) in enumerate(self.bounds):
             average[lo:hi] = results[j]
         self.stats.seconds = time.perf_counter() - t0
-        return RoundResult(average, self.group, list(self.ids), self.stats)
+        return RoundResult(average, self.group, list(self.ids), self.stats, self.sent_decoded)
 
     def _encode_all(self) -> list[bytes]:
-        return [self.codec.encode(self.vector[lo:hi].contiguous()) for lo, hi in self.bounds]
+        payloads = [self.codec.encode(self.vector[lo:hi].contiguous()) for lo, hi in self.bounds]
+        self.sent_decoded = None
+        if self.want_decoded:
+            self.sent_decoded = torch.cat(
+                [self.codec.decode(p, hi - lo) for p, (lo, hi) in zip(payloads, self.bounds, strict=True)]
+            )
+        return [p if j == self.me else faults.corrupt(p) for j, p in enumerate(payloads)]
 
     async def add_contribution_own(self, payload: bytes) -> None:
         await self.add_contribution(self.identity.peer_id, payload)

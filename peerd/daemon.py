@@ -359,6 +359,10 @@ class Daemon:
     def suspect(self, peer_id: str, reason: str) -> None:
         log.warning("peer %s sent invalid data (%s)", peer_id[:8], reason)
 
+    def count_failure(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.record_failure(reason)
+
     def count_sent(self, kind: str, raw: int, wire: int) -> None:
         if self.metrics is not None:
             self.metrics.record_sent(kind, raw, wire)
@@ -440,10 +444,10 @@ class Daemon:
         assert self.channels is not None
         return self.channels.rounds(member.address)
 
-    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1) -> RoundResult:
+    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
         """Average `vector` (1-D fp32, any device) with the peers ready for `step`. Raises Behind when the swarm has
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
-        return self.call(self._allreduce(step, vector, fragment))
+        return self.call(self._allreduce(step, vector, fragment, want_decoded))
 
     def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
         """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
@@ -451,7 +455,9 @@ class Daemon:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(self._allreduce(step, vector, fragment), self.loop)
 
-    async def _allreduce(self, step: int, vector: torch.Tensor, fragment: int) -> RoundResult:
+    async def _allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
+    ) -> RoundResult:
         suspects: set[str] = set()
         t0 = time.perf_counter()
         for attempt in range(6):
@@ -470,6 +476,7 @@ class Daemon:
                 self.executor,
                 self.cfg.network.round_timeout,
                 self.cfg.network.chunk_bytes,
+                want_decoded,
             )
             self.register_round(group.round_id, rnd)
             try:

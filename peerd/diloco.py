@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from peerd.algorithm import OuterAlgorithm
+from peerd.allreduce import RoundFailed
+from peerd.codecs import ErrorFeedback
 from peerd.rendezvous import Behind
 from trainer.outer import NesterovOuter
 
@@ -30,6 +32,8 @@ class DiLoCo(OuterAlgorithm):
         self.H = cfg.inner.steps
         self.outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.global_params = worker.layout.flatten(worker.model).detach().float().cpu().clone()
+        # Error feedback: what quantization dropped from our contribution this round is added to the next one.
+        self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
 
     def after_inner_step(self, worker: Worker, t: int) -> bool:
         if (t + 1) % self.H:
@@ -37,15 +41,24 @@ class DiLoCo(OuterAlgorithm):
         step = worker.outer_step
         local = worker.layout.flatten(worker.model).detach().float()
         pseudo = self.global_params.to(local.device, non_blocking=True) - local
+        if self.feedback is not None:
+            pseudo = self.feedback.compensate("params", pseudo.cpu())
         t0 = time.perf_counter()
         try:
-            result = worker.daemon.allreduce(step, pseudo)
+            result = worker.daemon.allreduce(step, pseudo, want_decoded=self.feedback is not None)
         except Behind as exc:
             worker.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
             worker.resync(exc.step)
             return True
+        except RoundFailed as exc:
+            # Keep our local progress and try again after the next H inner steps; never crash the peer.
+            worker.add_idle(time.perf_counter() - t0)
+            log.warning("outer step %d failed (%s); training on and retrying at the next outer step", step, exc)
+            return False
         worker.add_idle(time.perf_counter() - t0)
+        if self.feedback is not None and result.sent_decoded is not None:
+            self.feedback.update("params", pseudo, result.sent_decoded)
         self.outer.step(self.global_params, result.average)
         worker.layout.unflatten_into(self.global_params, worker.model)
         worker.outer_step = step + 1

@@ -26,6 +26,7 @@ class _Pending:
     joined: dict[str, pb.PeerInfo] = field(default_factory=dict)
     deadline: float = 0.0
     result: asyncio.Future | None = None
+    extensions: int = 0
 
 
 class Behind(Exception):
@@ -81,7 +82,7 @@ class RendezvousLeader:
             }
             pend = _Pending(key, expected, deadline=time.monotonic() + self.timeout_s, result=loop.create_future())
             self.pending[key] = pend
-            loop.call_later(self.timeout_s, self._close, key)
+            loop.call_later(self.timeout_s, self._on_deadline, key)
         pend.expected -= set(suspects)
         pend.expected.add(info.peer_id)
         pend.joined[info.peer_id] = info
@@ -101,6 +102,21 @@ class RendezvousLeader:
             if key[0] < step and pend.result is not None and not pend.result.done():
                 pend.joined.clear()
                 self._close(key)
+
+    def _on_deadline(self, key: tuple[int, int, int]) -> None:
+        """Close at the deadline, unless fewer than a majority of the live expected peers joined: then wait up to
+        two more deadlines, so a minority that was quicker (e.g. after a failed round) cannot move the swarm's
+        state ahead on its own and make the majority download it."""
+        pend = self.pending.get(key)
+        if pend is None:
+            return
+        alive = {p.peer_id for p in self.membership.alive()}
+        pend.expected = {p for p in pend.expected if p in alive} | set(pend.joined)
+        if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:
+            pend.extensions += 1
+            asyncio.get_running_loop().call_later(self.timeout_s, self._on_deadline, key)
+            return
+        self._close(key)
 
     def _close(self, key: tuple[int, int, int]) -> None:
         pend = self.pending.pop(key, None)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from peerd.algorithm import OuterAlgorithm
+from peerd.allreduce import RoundFailed
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
 from peerd.statesync import StateSnapshot
@@ -94,7 +95,9 @@ class Worker:
         self.eval_data = TokenData.from_path(cfg.data.path or None, seq_len=self.seq_len, split="eval")
         pid = daemon.identity.peer_id
         self.shard = shard if shard is not None else int(pid[:8], 16) % cfg.data.num_shards
-        self.gen = torch.Generator().manual_seed(int(hashlib.sha256(pid.encode()).hexdigest()[:8], 16))
+        # Batches depend on the run seed and the shard only, so two runs with the same seeds see the same data.
+        seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.shard}".encode()).hexdigest()[:8], 16)
+        self.gen = torch.Generator().manual_seed(seed)
         total = cfg.inner.steps * cfg.run.outer_steps if cfg.run.outer_steps else None
         self.opt, self.sched = make_inner_optimizer(
             self.model,
@@ -118,15 +121,24 @@ class Worker:
         if self.daemon.metrics is not None:
             self.daemon.metrics.record_idle(seconds)
 
-    def resync(self, min_step: int) -> None:
-        """Download the swarm's global state and continue from it (our local progress since the last sync is lost)."""
+    def resync(self, min_step: int) -> bool:
+        """Download the swarm's global state and continue from it (our local progress since the last sync is lost).
+        If no live peer can serve it, keep our own state and go on training: the next round or gossip will tell."""
         self.daemon.status.state = "syncing"
         t0 = time.perf_counter()
-        snap = self.daemon.fetch_state(min_step, {k: tuple(v.shape) for k, v in self.algorithm.state_tensors().items()})
+        shapes = {k: tuple(v.shape) for k, v in self.algorithm.state_tensors().items()}
+        try:
+            snap = self.daemon.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout)
+        except RoundFailed as exc:
+            log.warning("could not download state (%s); continuing from our own state at step %d", exc, self.outer_step)
+            self.daemon.count_failure("state_download")
+            return False
+        finally:
+            self.add_idle(time.perf_counter() - t0)
+            self.daemon.status.state = "training"
         self.algorithm.load_state_tensors(self, snap.tensors)
         self.outer_step = snap.step
-        self.add_idle(time.perf_counter() - t0)
-        self.daemon.status.state = "training"
+        return True
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:

@@ -129,6 +129,7 @@ class Swarm:
         config: Path | None = None,
         wait_peers: int = 0,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Peer:
         data = self.tmp_path / f"peer{index}"
         data.mkdir(parents=True, exist_ok=True)
@@ -143,7 +144,7 @@ class Swarm:
             cmd += ["--metrics", "127.0.0.1:0"]
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
         with open(data / "log", "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         peer = Peer(index, data, proc)

@@ -1,0 +1,43 @@
+"""Fault injectors for tests, torchft-style: real processes misbehave on purpose, instead of mocks.
+
+Each injector is switched on by an environment variable of the peer process and read once at import. None is on in a
+normal run. Keep every injector here, so a reader sees in one place how a daemon can be made to misbehave.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+# Flip bytes in every encoded payload this peer sends in a round (after encoding, before signing the stream), so
+# the stream checks out but the frame's checksum does not: the receiver must refuse it and the round go on without us.
+CORRUPT_PAYLOADS = _env("PEERD_FAULT_CORRUPT_PAYLOADS") == "1"
+
+
+def corrupt(payload: bytes) -> bytes:
+    """Flip a few bytes in the middle of an encoded frame."""
+    if not CORRUPT_PAYLOADS or len(payload) < 64:
+        return payload
+    buf = bytearray(payload)
+    mid = len(buf) // 2
+    for i in range(mid, mid + 8):
+        buf[i] ^= 0xFF
+    return bytes(buf)
+
+
+def poisoned(vector: torch.Tensor) -> torch.Tensor:
+    """PEERD_FAULT_POISON=huge|nan: replace this peer's contribution by a huge or NaN one (a poisoning peer)."""
+    mode = _env("PEERD_FAULT_POISON")
+    if mode == "huge":
+        return vector * 1e6
+    if mode == "nan":
+        out = vector.clone()
+        out[: max(1, out.numel() // 100)] = float("nan")
+        return out
+    return vector
