@@ -123,6 +123,7 @@ def _start(args: argparse.Namespace) -> int:
         daemon.stop(leave=False)
         return 1
     log.info("peer %s joined run %s (%s)", identity.peer_id[:8], daemon.run_id.hex()[:8], cfg.run.algorithm)
+    live = _live_progress(daemon, cfg.run.outer_steps, stop) if sys.stderr.isatty() else None
     try:
         if args.wait_peers > 1:
             daemon.wait_for_peers(args.wait_peers, stop)
@@ -130,9 +131,45 @@ def _start(args: argparse.Namespace) -> int:
         worker.run(stop)
         worker.write_summary()
     finally:
+        if live is not None:
+            live.close()
         daemon.stop(leave=True)
     log.info("stopped cleanly at outer step %d", daemon.status.outer_step)
     return 0
+
+
+def _live_progress(daemon: object, total: int, stop: threading.Event) -> object:
+    """On a TTY: a live status line (step, loss, peers, bytes, ETA) redrawn from the daemon's status twice a second,
+    under the log lines. Elsewhere the per-outer-step log lines are the progress."""
+    from peerd.progress import Progress
+
+    progress = Progress(stream=sys.stderr, total_steps=total or None)
+
+    def loop() -> None:
+        st = daemon.status  # type: ignore[attr-defined]
+        while not stop.wait(0.5) and not st.finished:
+            progress.update(
+                step=st.outer_step,
+                loss=st.loss,
+                peers=len(daemon.membership.alive()),  # type: ignore[attr-defined]
+                sent=st.bytes_sent_wire,
+                tokens_per_second=st.tokens_per_second,
+            )
+
+    class ToProgress(logging.Handler):
+        """Log lines go above the live line instead of through it."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            progress.log(self.format(record))
+
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        handler = ToProgress()
+        handler.setFormatter(h.formatter)
+        root.removeHandler(h)
+        root.addHandler(handler)
+    threading.Thread(target=loop, name="peerd-progress", daemon=True).start()
+    return progress
 
 
 def _log_outer_step(worker: object) -> None:

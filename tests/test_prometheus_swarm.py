@@ -43,8 +43,9 @@ def port_of(address: str) -> int:
 @pytest.mark.slow
 @needs_prometheus
 def test_every_dashboard_query_returns_data_from_a_real_swarm(tmp_path: Path) -> None:
-    config = swarm.tiny_config(tmp_path)
-    peers = swarm.Swarm(tmp_path / "swarm", 3, config=config)
+    config = swarm.tiny_config(tmp_path, run__outer_steps=0)  # train until stopped
+    (tmp_path / "swarm").mkdir()
+    peers = swarm.Swarm(tmp_path / "swarm", 3, config=config, metrics=True)
     peers.start()
     try:
         addresses = [p.metrics_address for p in peers.peers]
