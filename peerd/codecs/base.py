@@ -123,6 +123,7 @@ class Codec(ABC):
         """Decode one frame into a fresh float32 tensor of ``expected_numel`` elements on ``device``.
 
         Raises CodecError on any truncation, corruption, lie, or NaN/Inf; bit-identical on every device.
+        A ``bytearray`` argument is taken over: an fp32 result may share its memory rather than copy it.
         """
         numel = check_numel(expected_numel)
         scales_len, payload_len = self.body_layout(numel)
@@ -139,7 +140,12 @@ class Codec(ABC):
             return torch.empty(0, dtype=torch.float32, device=target)
         # A private writable copy (or the bounded decompression output) backs the tensor: frames arrive as
         # read-only bytes, which torch can only wrap with a warning, and fp32 returns this memory as-is.
-        raw = decompress_exact(stored, header.raw_len) if header.compressed else bytearray(stored)
+        if header.compressed:
+            raw = decompress_exact(stored, header.raw_len)
+        elif isinstance(data, bytearray):
+            raw = stored  # the caller handed over a private writable buffer: wrap it instead of copying 4 B/value
+        else:
+            raw = bytearray(stored)
         body = torch.frombuffer(raw, dtype=torch.uint8)
         if target.type != "cpu":
             body = body.to(target)
