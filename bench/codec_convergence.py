@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[spec] = run(codec, args, feedback=ef == "ef")
         r = rows[spec]
         print(
-            f"{spec:>8}: train {r['loss_last']:.4f}  eval {r['eval_loss_last']:.4f}  wire {r['wire_bytes_total'] / 1e6:.2f} MB"
-            f"  max param diff {r['max_param_diff']:.2g}",
+            f"{spec:>8}: train {r['loss_last']:.4f}  eval {r['eval_loss_last']:.4f}  "
+            f"wire {r['wire_bytes_total'] / 1e6:.2f} MB  max param diff {r['max_param_diff']:.2g}",
             flush=True,
         )
     base = rows.get("fp32")
