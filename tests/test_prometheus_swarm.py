@@ -13,6 +13,7 @@ from tests.promtools import (
     dashboard_targets,
     http_get,
     needs_prometheus,
+    promtool,
     sd_scrape_config,
 )
 
@@ -69,6 +70,14 @@ def test_every_dashboard_query_returns_data_from_a_real_swarm(tmp_path: Path) ->
                 left = max(5.0, deadline - time.monotonic())
                 result = prom.wait_for(expr, lambda r: len(r) > 0, timeout=left)
                 assert result, (title, expr)
+
+            # Each daemon's own exposition passes promtool's lint, after real rounds have filled it in.
+            for addr in addresses:
+                status, _, body = http_get(f"http://{addr}/metrics")
+                assert status == 200
+                lint = promtool("check", "metrics", stdin=body)
+                assert lint.returncode == 0, (addr, lint.stdout, lint.stderr)
+                assert b"peerd_rounds_total" in body and b"process_cpu_seconds_total" in body
 
             # The numbers are live, not just pre-initialised zeros: the peers train and Prometheus sees it.
             left = max(5.0, deadline - time.monotonic())
