@@ -1,4 +1,5 @@
-"""The `peerd` command: init a run config, start a peer, ask a peer for its status, or run a local demo swarm."""
+"""The `peerd` command: init a run config, start a peer, ask a peer for its status, run a local demo swarm, and
+manage admission keys (peer key, owner key, invitations)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("start", help="run one peer in the foreground until SIGINT/SIGTERM")
     p.add_argument("--config", required=True, help="run config (see `peerd init`)")
     p.add_argument("--listen", default="0.0.0.0:7000", help="gRPC listen address (port 0 picks a free one)")
-    p.add_argument("--bootstrap", action="append", default=[], help="address of any peer of the run (repeatable)")
+    p.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        help="HOST:PORT (certificate trusted on first use) or PEERID@HOST:PORT (pinned) of any peer (repeatable)",
+    )
     p.add_argument("--announce", help="address other peers should dial, if not the listen address")
     p.add_argument("--data-dir", default="peerd-data", help="identity key, checkpoints and address files")
     p.add_argument("--metrics", help="serve Prometheus metrics and HTTP SD on HOST:PORT")
@@ -31,13 +37,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", type=int, help="data shard to read (default: derived from the peer id)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--insecure", action="store_true", help="plaintext gRPC (tests only)")
+    p.add_argument("--join-secret-file", help="admission mode 'secret': the shared secret (overrides [security])")
+    p.add_argument("--invite-file", help="admission mode 'invite': this peer's invitation (overrides [security])")
     p.add_argument("--wait-peers", type=int, default=0, help="wait until this many peers are up before training")
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser("status", help="print one peer's view of the run")
-    p.add_argument("address", help="HOST:PORT of the peer")
+    p.add_argument("address", help="HOST:PORT (or PEERID@HOST:PORT) of the peer")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--insecure", action="store_true", help="the peer runs --insecure (plaintext)")
+    p.add_argument("--data-dir", help="sign the request with this peer's key: admitted peers see the peer list")
+    p.add_argument("--join-secret-file", help="with --data-dir, in admission mode 'secret'")
+    p.add_argument("--invite-file", help="with --data-dir, in admission mode 'invite'")
+
+    p = sub.add_parser("key", help="print a peer's public key and id (creating its identity if needed)")
+    p.add_argument("--data-dir", default="peerd-data")
+
+    p = sub.add_parser("owner-key", help="create a run owner key for admission mode 'invite'")
+    p.add_argument("path", help="where to write the private key (mode 0600)")
+
+    p = sub.add_parser("invite", help="sign an invitation that admits one peer key to an 'invite' run")
+    p.add_argument("--owner-key", required=True, help="the run owner's private key file (peerd owner-key)")
+    p.add_argument("--peer-key", required=True, help="the invited peer's public key, hex (peerd key)")
+    p.add_argument("--expires", default="7d", help="how long it is valid: 7d, 12h, 30m, 90s (default 7d)")
+    p.add_argument("--out", help="write it here (mode 0600) instead of printing it")
 
     p = sub.add_parser("demo", help="start a local swarm of peers as separate processes and train for a while")
     p.add_argument("--peers", type=int, default=3)
@@ -64,7 +88,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             from peerd.status import print_status
 
-            return print_status(args.address, as_json=args.json, timeout=args.timeout)
+            return print_status(
+                args.address,
+                as_json=args.json,
+                timeout=args.timeout,
+                insecure=True if args.insecure else None,
+                data_dir=args.data_dir,
+                join_secret_file=args.join_secret_file,
+                invite_file=args.invite_file,
+            )
+        if args.command in ("key", "owner-key", "invite"):
+            from peerd.admission import AdmissionError
+
+            try:
+                return _keys(args)
+            except AdmissionError as exc:
+                print(f"peerd: {exc}", file=sys.stderr)
+                return 2
         if args.command == "demo":
             from peerd.demo import run_demo
 
@@ -73,6 +113,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peerd: config error: {exc}", file=sys.stderr)
         return 2
     return 1
+
+
+def _keys(args: argparse.Namespace) -> int:
+    """`peerd key`, `peerd owner-key` and `peerd invite`."""
+    import time
+
+    from peerd import admission
+
+    if args.command == "key":
+        from peerd.identity import Identity
+
+        ident = Identity.load_or_create(args.data_dir)
+        print(f"public key {ident.public_key.hex()}\npeer id    {ident.peer_id}")
+        return 0
+    if args.command == "owner-key":
+        public = admission.create_owner_key(args.path)
+        print(f"wrote {args.path}; put this in the run config:")
+        print(f'[admission]\nmode = "invite"\nowner_key = "{public.hex()}"')
+        return 0
+    owner = admission.load_owner_key(args.owner_key)
+    peer_key = admission.parse_hex_key(args.peer_key, "--peer-key")
+    expires = int(time.time() + admission.parse_duration(args.expires))
+    invite = admission.Invite.issue(owner, peer_key, expires)
+    if args.out:
+        admission.write_private_file(args.out, invite.to_text().encode())
+        print(f"wrote {args.out}: admits {admission.describe(peer_key)} until {time.ctime(expires)}")
+    else:
+        print(invite.to_text(), end="")
+    return 0
 
 
 def _start(args: argparse.Namespace) -> int:
@@ -99,15 +168,26 @@ def _start(args: argparse.Namespace) -> int:
         return 2
     if args.insecure:
         log.warning("--insecure: gRPC traffic is NOT encrypted; use this for tests only")
-    daemon = Daemon(
-        cfg,
-        identity,
-        listen=args.listen,
-        bootstrap=args.bootstrap,
-        announce=args.announce,
-        data_dir=data_dir,
-        metrics_listen=args.metrics,
-    )
+    if args.join_secret_file:
+        cfg.security.join_secret_file = args.join_secret_file
+    if args.invite_file:
+        cfg.security.invite_file = args.invite_file
+    from peerd.admission import AdmissionError
+
+    try:
+        daemon = Daemon(
+            cfg,
+            identity,
+            listen=args.listen,
+            bootstrap=args.bootstrap,
+            announce=args.announce,
+            data_dir=data_dir,
+            metrics_listen=args.metrics,
+            insecure=args.insecure,
+        )
+    except AdmissionError as exc:
+        print(f"peerd: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -127,7 +207,11 @@ def _start(args: argparse.Namespace) -> int:
     try:
         if args.wait_peers > 1:
             daemon.wait_for_peers(args.wait_peers, stop)
-        worker = Worker(cfg, daemon, data_dir, device=args.device, shard=args.shard, on_outer_step=_log_outer_step)
+        try:
+            worker = Worker(cfg, daemon, data_dir, device=args.device, shard=args.shard, on_outer_step=_log_outer_step)
+        except ValueError as exc:  # bad model/data factory, data path, checkpoint of another run, ...
+            print(f"peerd: cannot start training: {exc}", file=sys.stderr)
+            return 2
         worker.run(stop)
         worker.write_summary()
     finally:

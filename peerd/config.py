@@ -1,9 +1,9 @@
 """Run configuration: load and validate run.toml, and hash the shared part of it into the run id.
 
 The config has two kinds of section. *Spec* sections (run, model, data, inner, outer, noloco, streaming, codec,
-admission) must be identical on every peer of a run, so they hash into the run id and a Join with a different spec is
-refused with the names of the fields that differ. *Local* sections (network, checkpoint) are per-machine tuning and
-never leave the peer.
+admission, robust) must be identical on every peer of a run, so they hash into the run id and a Join with a different
+spec is refused with the names of the fields that differ. *Local* sections (network, checkpoint, security) are
+per-machine tuning and secrets, and never leave the peer.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,7 @@ class ModelSection:
 @dataclass
 class DataSection:
     path: str = ""  # directory of text files or a uint16 token file; empty = the Python standard library sources
+    factory: str = ""  # "package.module:factory" returning (train, eval) data objects instead of the built-in reader
     batch_size: int = 8
     num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
     eval_batches: int = 4
@@ -99,7 +101,33 @@ class CodecSection:
 
 @dataclass
 class AdmissionSection:
-    mode: str = "open"  # open | secret | allowlist | invite
+    mode: str = "open"  # open | secret | allowlist | invite (peerd/admission.py)
+    allowlist: list[str] = field(default_factory=list)  # hex Ed25519 public keys admitted in mode "allowlist"
+    owner_key: str = ""  # hex public key of the run owner who signs invitations in mode "invite"
+
+
+@dataclass
+class RobustSection:
+    aggregation: str = "mean"  # mean | trimmed_mean | clipped_mean, computed by each shard's owner
+    max_norm_ratio: float = 10.0  # refuse a contribution whose norm exceeds this times the owner's own; 0: off
+    trim_fraction: float = 0.2  # trimmed_mean: share of contributions dropped at each end per coordinate
+    clip_ratio: float = 2.0  # clipped_mean: clip each contribution to this times the median contribution norm
+
+
+@dataclass
+class SecuritySection:
+    """Local: secrets never enter the spec (or its hash), and limits may differ per machine."""
+
+    join_secret_file: str = ""  # admission mode "secret": file (mode 0600) holding the shared join secret
+    invite_file: str = ""  # admission mode "invite": this peer's invitation from the run owner (peerd invite)
+    ban_after: int = 3  # invalid contributions from one peer (within ban_window) before it is banned
+    ban_window: float = 600.0
+    ban_seconds: float = 600.0
+    rate_limit: float = 200.0  # requests per second per peer (token bucket), keyed by key or else by address
+    rate_burst: float = 400.0
+    max_streams_per_peer: int = 16  # concurrent streaming RPCs per peer
+    max_inflight_mb_per_peer: float = 256.0  # payload bytes one peer may have us buffer at once
+    read_timeout: float = 30.0  # seconds a stream may go without sending its next message
 
 
 @dataclass
@@ -117,8 +145,8 @@ class CheckpointSection:
     every: int = 1  # outer steps between checkpoints
 
 
-SPEC_SECTIONS = ("run", "model", "data", "inner", "outer", "noloco", "streaming", "codec", "admission")
-LOCAL_SECTIONS = ("network", "checkpoint")
+SPEC_SECTIONS = ("run", "model", "data", "inner", "outer", "noloco", "streaming", "codec", "admission", "robust")
+LOCAL_SECTIONS = ("network", "checkpoint", "security")
 
 
 @dataclass
@@ -132,8 +160,10 @@ class RunConfig:
     streaming: StreamingSection = field(default_factory=StreamingSection)
     codec: CodecSection = field(default_factory=CodecSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
+    robust: RobustSection = field(default_factory=RobustSection)
     network: NetworkSection = field(default_factory=NetworkSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
 
     # -- loading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -189,8 +219,35 @@ class RunConfig:
             raise ConfigError("streaming.tau must be smaller than inner.steps")
         if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
             raise ConfigError("admission.mode must be open, secret, allowlist or invite")
+        self._validate_security()
         if not 0 < self.network.chunk_bytes <= 1 << 20:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+
+    def _validate_security(self) -> None:
+        adm, rob, sec = self.admission, self.robust, self.security
+        for i, key in enumerate(adm.allowlist):
+            if not _is_hex_key(key):
+                raise ConfigError(f"admission.allowlist[{i}] must be a 64-hex-digit public key, got {key!r}")
+        if adm.owner_key and not _is_hex_key(adm.owner_key):
+            raise ConfigError("admission.owner_key must be a 64-hex-digit public key")
+        if adm.mode == "allowlist" and not adm.allowlist:
+            raise ConfigError("admission.allowlist must list at least one key when admission.mode = 'allowlist'")
+        if adm.mode == "invite" and not adm.owner_key:
+            raise ConfigError("admission.owner_key is required when admission.mode = 'invite'")
+        if rob.aggregation not in ("mean", "trimmed_mean", "clipped_mean"):
+            raise ConfigError("robust.aggregation must be mean, trimmed_mean or clipped_mean")
+        if not (rob.max_norm_ratio == 0 or rob.max_norm_ratio >= 1.0) or not math.isfinite(rob.max_norm_ratio):
+            raise ConfigError("robust.max_norm_ratio must be 0 (off) or >= 1")
+        if not 0.0 <= rob.trim_fraction < 0.5:
+            raise ConfigError("robust.trim_fraction must be in [0, 0.5)")
+        if not 0.0 < rob.clip_ratio < math.inf:
+            raise ConfigError("robust.clip_ratio must be > 0")
+        if sec.ban_after < 1 or sec.ban_window <= 0 or sec.ban_seconds < 0:
+            raise ConfigError("security.ban_after must be >= 1, ban_window > 0 and ban_seconds >= 0")
+        if sec.rate_limit <= 0 or sec.rate_burst < 1 or sec.max_streams_per_peer < 1:
+            raise ConfigError("security.rate_limit, rate_burst and max_streams_per_peer must be positive")
+        if sec.max_inflight_mb_per_peer <= 0 or sec.read_timeout <= 0:
+            raise ConfigError("security.max_inflight_mb_per_peer and security.read_timeout must be positive")
 
     # -- run identity ----------------------------------------------------------------------------------------
     def spec(self) -> dict[str, Any]:
@@ -218,6 +275,10 @@ def spec_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
             continue
         out.extend(f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
     return out
+
+
+def _is_hex_key(text: str) -> bool:
+    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
@@ -251,6 +312,7 @@ factory = ""              # "package.module:factory" to plug in your own model (
 
 [data]
 path = ""                 # directory of text files or a uint16 token file; "" = Python stdlib sources
+factory = ""              # "package.module:factory" for your own data (see README)
 batch_size = 8
 num_shards = 16           # the train stream is split into this many shards; each peer reads its own
 eval_batches = 4          # held-out batches for the eval loss after each outer step
@@ -288,7 +350,15 @@ block_size = 256
 error_feedback = false
 
 [admission]
-mode = "open"
+mode = "open"             # open | secret | allowlist | invite (see SECURITY.md)
+allowlist = []            # mode "allowlist": hex public keys (`peerd key --data-dir DIR` prints a peer's)
+owner_key = ""            # mode "invite": the run owner's public key (`peerd owner-key FILE` makes one)
+
+[robust]                  # poisoning defence, applied by each shard's owner before averaging
+aggregation = "mean"      # mean | trimmed_mean | clipped_mean
+max_norm_ratio = 10.0     # refuse contributions with a norm above this times the owner's own (0: off)
+trim_fraction = 0.2       # trimmed_mean: share dropped at each end per coordinate (at least one of 3+)
+clip_ratio = 2.0          # clipped_mean: clip each contribution to this times the median norm
 
 [network]
 gossip_interval = 1.0
@@ -300,6 +370,18 @@ chunk_bytes = 1048576
 
 [checkpoint]
 every = 1
+
+[security]                # local: never part of the run spec
+join_secret_file = ""     # mode "secret": file (chmod 600) with the shared join secret
+invite_file = ""          # mode "invite": this peer's invitation (`peerd invite ...`, chmod 600)
+ban_after = 3             # invalid contributions within ban_window before a peer is banned
+ban_window = 600.0
+ban_seconds = 600.0
+rate_limit = 200.0        # requests per second per peer
+rate_burst = 400.0
+max_streams_per_peer = 16
+max_inflight_mb_per_peer = 256.0
+read_timeout = 30.0       # a stream that sends nothing for this long is dropped (slow-loris)
 """
 
 

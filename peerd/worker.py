@@ -29,7 +29,7 @@ from trainer.data import TokenData
 from trainer.flat import ParamLayout
 from trainer.inner import make_inner_optimizer
 from trainer.model import GPT, ModelConfig
-from trainer.plugin import build_model
+from trainer.plugin import build_model, load_factory
 
 log = logging.getLogger("peerd")
 CHECKPOINT = "checkpoint.pt"
@@ -43,6 +43,27 @@ def build_run_model(cfg: RunConfig) -> torch.nn.Module:
         return build_model(m.factory, {"preset": m.preset, "seed": cfg.run.seed, **overrides})
     mc = ModelConfig.from_dict({"preset": m.preset, **overrides})
     return GPT(mc, seed=cfg.run.seed)
+
+
+def build_run_data(cfg: RunConfig, seq_len: int) -> tuple[Any, Any]:
+    """The built-in reader (text directory, uint16 token file, or the stdlib sources), or the user's data factory.
+
+    A data factory is called as `factory({"path": ..., "seq_len": ..., "seed": ...})` and returns (train, eval)
+    objects with the TokenData interface: `batch(batch_size, *, shard, num_shards, generator) -> (x, y)` and
+    `eval_batches(batch_size, n, seed) -> list[(x, y)]`, int64 [B, T] tensors on the CPU.
+    """
+    if cfg.data.factory:
+        factory = load_factory(cfg.data.factory)
+        train, evaluation = factory({"path": cfg.data.path, "seq_len": seq_len, "seed": cfg.run.seed})
+        for obj, what in ((train, "train"), (evaluation, "eval")):
+            if not callable(getattr(obj, "batch", None)) or not callable(getattr(obj, "eval_batches", None)):
+                raise ValueError(f"data factory {cfg.data.factory!r}: its {what} object lacks batch/eval_batches")
+        return train, evaluation
+    path = cfg.data.path or None
+    return (
+        TokenData.from_path(path, seq_len=seq_len, split="train"),
+        TokenData.from_path(path, seq_len=seq_len, split="eval"),
+    )
 
 
 def model_seq_len(model: torch.nn.Module, cfg: RunConfig) -> int:
@@ -91,8 +112,7 @@ class Worker:
         self.model = build_run_model(cfg).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
-        self.train_data = TokenData.from_path(cfg.data.path or None, seq_len=self.seq_len, split="train")
-        self.eval_data = TokenData.from_path(cfg.data.path or None, seq_len=self.seq_len, split="eval")
+        self.train_data, self.eval_data = build_run_data(cfg, self.seq_len)
         pid = daemon.identity.peer_id
         self.shard = shard if shard is not None else int(pid[:8], 16) % cfg.data.num_shards
         # Batches depend on the run seed and the shard only, so two runs with the same seeds see the same data.
