@@ -8,7 +8,7 @@ time is considered dead; a peer that announced Leave is kept as a tombstone so s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from peerd.identity import peer_id_of
@@ -31,6 +31,9 @@ class Membership:
         self.peer_timeout = peer_timeout
         self.settle_s = settle_s
         self.entries: dict[str, Entry] = {}
+        # Peers we refuse to count as live although their heartbeat advances: banned by us, or reported banned by a
+        # majority of the swarm (peerd/robust.py). Set by the daemon.
+        self.excluded: Callable[[str], bool] = lambda peer_id: False
 
     @property
     def self_id(self) -> str:
@@ -67,10 +70,16 @@ class Membership:
         if entry is not None:
             entry.unreachable_until = now + self.peer_timeout
 
-    def mark_left(self, info: pb.PeerInfo) -> None:
+    def mark_left(self, info: pb.PeerInfo, now: float | None = None) -> None:
+        """A signed Leave: keep the peer as a tombstone (with its final heartbeat) so gossip spreads the leave and
+        stale entries cannot revive it."""
+        now = time.monotonic() if now is None else now
         entry = self.entries.get(info.peer_id)
         if entry is not None and info.public_key == entry.info.public_key:
             entry.info.left = True
+            if (info.incarnation, info.heartbeat) > (entry.info.incarnation, entry.info.heartbeat):
+                entry.info.incarnation, entry.info.heartbeat = info.incarnation, info.heartbeat
+            entry.last_advance = now
 
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:
@@ -82,6 +91,7 @@ class Membership:
             and not e.info.left
             and now - e.last_advance < self.peer_timeout
             and now >= e.unreachable_until
+            and not self.excluded(peer_id)
         )
 
     def alive(self, now: float | None = None, include_self: bool = True) -> list[pb.PeerInfo]:
@@ -102,6 +112,11 @@ class Membership:
         out.append(self.me)
         return sorted(out, key=lambda p: p.peer_id)
 
+    def at_address(self, address: str) -> pb.PeerInfo | None:
+        """The live peer gossip says listens at `address` (the freshest one if several claim it)."""
+        found = [e for e in self.entries.values() if e.info.address == address and not e.info.left]
+        return max(found, key=lambda e: e.last_advance).info if found else None
+
     def get(self, peer_id: str) -> pb.PeerInfo | None:
         if peer_id == self.me.peer_id:
             return self.me
@@ -113,7 +128,8 @@ class Membership:
         now = time.monotonic() if now is None else now
         out = [self.me]
         for e in self.entries.values():
-            if now - e.last_advance < self.peer_timeout:
+            age = now - e.last_advance
+            if age < self.peer_timeout or (e.info.left and age < 3 * self.peer_timeout):
                 out.append(e.info)
         return out
 

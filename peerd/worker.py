@@ -165,7 +165,7 @@ class Worker:
         self.resume()
         self.publish()
         ahead = self.daemon.swarm_step()
-        if ahead > self.outer_step:
+        if ahead > self.outer_step and not stop.is_set():
             log.info("swarm is at outer step %d, we are at %d: downloading state", ahead, self.outer_step)
             self.resync(ahead)
             self.publish()

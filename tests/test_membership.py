@@ -1,0 +1,72 @@
+"""Membership in a real swarm: gossip spreads peers, a clean leave is announced, a dead peer is dropped; the standard
+health and reflection services are on."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from peerd.membership import Membership
+from peerd.v1 import peerd_pb2 as pb
+from tests.swarm import Swarm, tiny_config
+
+
+def _info(key: bytes, hb: int, **kw) -> pb.PeerInfo:
+    from peerd.identity import peer_id_of
+
+    return pb.PeerInfo(peer_id=peer_id_of(key), public_key=key, heartbeat=hb, address="h:1", **kw)
+
+
+def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
+    me = _info(b"m" * 32, 1)
+    m = Membership(me, peer_timeout=5.0, settle_s=0.0)
+    a = b"a" * 32
+    assert m.merge([_info(a, 3)], now=0.0) == [_info(a, 3).peer_id]
+    m.merge([_info(a, 2, outer_step=9)], now=1.0)  # older heartbeat: ignored
+    assert m.get(_info(a, 1).peer_id).outer_step == 0
+    m.merge([_info(a, 4, outer_step=1)], now=2.0)
+    assert m.get(_info(a, 1).peer_id).outer_step == 1
+    assert len(m.alive(now=6.9)) == 2 and len(m.alive(now=7.1)) == 1  # silent for peer_timeout: dead
+    m.mark_unreachable(_info(a, 1).peer_id, now=2.5)
+    assert len(m.alive(now=3.0)) == 1
+    # entries whose id is not derived from their key, and entries about ourselves, are ignored
+    forged = _info(b"f" * 32, 1)
+    forged.peer_id = "0" * 32
+    assert m.merge([forged, _info(b"m" * 32, 99)], now=3.0) == []
+
+
+@pytest.mark.slow
+def test_gossip_leave_and_failure_detection(tmp_path: Path) -> None:
+    with Swarm(tmp_path, 4, tiny_config(tmp_path, run__outer_steps=0)) as swarm:
+        p = swarm.peers
+        # peer 3 only ever talked to peer 0 (its bootstrap), yet every peer learns of every other
+        swarm.wait_until(lambda: all(len(x.status().alive) == 4 for x in p), 60, "full views")
+        ids = {x.index: x.status().peer_id for x in p}
+
+        with grpc.insecure_channel(p[1].address) as ch:
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            names = {
+                s.name
+                for r in stub.ServerReflectionInfo(iter([req]), timeout=5)
+                for s in r.list_services_response.service
+            }
+        assert {"peerd.v1.Membership", "peerd.v1.Rounds", "peerd.v1.State", "grpc.health.v1.Health"} <= names
+
+        assert p[3].terminate() == 0  # SIGTERM: clean shutdown announces the leave
+        t0 = time.monotonic()
+        swarm.wait_until(lambda: all(ids[3] not in x.status().alive for x in p[:3]), 10, "leave to spread")
+        left = {e.peer_id: e.left for e in p[0].status().peers}
+        assert left.get(ids[3]) is True
+        assert time.monotonic() - t0 < 3.0  # well before the 3 s failure timeout would have dropped it
+
+        p[2].kill()  # kill -9: no leave; dropped by failure detection
+        swarm.wait_until(lambda: all(ids[2] not in x.status().alive for x in p[:2]), 15, "failure detection")
+        st = p[1].status()
+        assert sorted(st.alive) == sorted([ids[0], ids[1]])
