@@ -11,15 +11,54 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
+from peerd import tls
 from peerd.channels import CHANNEL_OPTIONS
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
 
-def fetch_status(address: str, timeout: float = 5.0) -> pb.StatusResponse:
-    """One Status RPC over a short-lived channel (this runs outside any daemon)."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
-        return rpc.MembershipStub(ch).Status(pb.StatusRequest(), timeout=timeout)
+def fetch_status(
+    address: str,
+    timeout: float = 5.0,
+    *,
+    insecure: bool | None = None,
+    identity: Any = None,
+    prover: Any = None,
+) -> pb.StatusResponse:
+    """One Status RPC over a short-lived channel (this runs outside any daemon).
+
+    `address` may be PEERID@HOST:PORT to pin the peer. `insecure`: True dials plaintext; False requires TLS (the
+    certificate is read on first contact and must carry a valid peer binding); None uses TLS when the peer speaks
+    it and plaintext otherwise (an --insecure peer). With `identity` (and `prover`, a function filling
+    Auth.admission) the request is signed, so a non-open run shows the full view to an admitted peer.
+    """
+    pinned, address = tls.parse_bootstrap(address)
+    cert = b""
+    if insecure is not True:
+        try:
+            cert = tls.fetch_cert_sync(address, timeout)
+        except tls.TlsError:
+            if insecure is False or pinned is not None:
+                raise
+        if cert:
+            pid = tls.verify_cert(cert)
+            if pinned is not None and pid != pinned:
+                raise tls.TlsError(f"{address} is peer {pid}, not {pinned}")
+    if cert:
+        opts = CHANNEL_OPTIONS + tls.channel_options(tls.verify_cert(cert))
+        ch = grpc.secure_channel(address, tls.channel_credentials(cert), options=opts)
+    else:
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    with ch:
+        stub = rpc.MembershipStub(ch)
+        resp = stub.Status(pb.StatusRequest(), timeout=timeout)
+        if identity is None or not resp.redacted:
+            return resp
+        from peerd.envelope import set_admission_prover, sign
+
+        set_admission_prover(identity.public_key, prover)
+        req = sign(pb.StatusRequest(), "Status", identity, bytes.fromhex(resp.run_id))
+        return stub.Status(req, timeout=timeout)
 
 
 _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64}
@@ -65,6 +104,13 @@ def format_status(st: pb.StatusResponse) -> str:
         f"health     {st.rounds_partial} partial rounds, {st.rounds_failed} failed, "
         f"{st.rejected_messages} rejected messages, {st.solo_steps} solo steps",
     ]
+    if st.rejected_contributions or st.banned:
+        lines.append(
+            f"security   {st.rejected_contributions} contributions refused; banned: "
+            + (" ".join(b[:8] for b in st.banned) or "none")
+        )
+    if st.redacted:
+        lines.append("peers      withheld: this run is not open (sign with --data-dir as an admitted peer)")
     busy = st.compute_seconds + st.compute_idle_seconds
     if busy > 0:
         lines.append(f"idle       {st.compute_idle_seconds:.1f}s of {busy:.1f}s ({st.compute_idle_seconds / busy:.1%})")
@@ -81,14 +127,54 @@ def format_status(st: pb.StatusResponse) -> str:
             + (f", {r.note}" if r.note else "")
         )
         lines.append("  included " + " ".join(i[:8] for i in r.included))
+    if len(st.recent_rounds) > 1:
+        lines.append("recent rounds")
+        for r in list(st.recent_rounds)[-8:]:
+            frag = f" fragment {r.fragment}" if r.fragment >= 0 else ""
+            tag = " PARTIAL" if r.partial else ""
+            note = f"  ({r.note})" if r.note else ""
+            lines.append(
+                f"  step {r.step:<5}{frag} with {' '.join(i[:8] for i in r.included)}{tag}  "
+                f"{r.wire_bytes / 1e6:.2f} MB  {r.seconds:.2f}s{note}"
+            )
     return "\n".join(lines)
 
 
-def print_status(address: str, *, as_json: bool, timeout: float) -> int:
+def _signer(data_dir: str | None, join_secret_file: str | None, invite_file: str | None) -> tuple[Any, Any]:
+    """(identity, admission prover) for a signed Status request, from a peer's data dir and admission files."""
+    if not data_dir:
+        return None, None
+    from peerd import admission
+    from peerd.identity import Identity
+
+    identity = Identity.load_or_create(data_dir)
+    if join_secret_file:
+        secret = admission.load_join_secret(join_secret_file)
+        return identity, lambda auth: admission.secret_proof(secret, auth)
+    if invite_file:
+        blob = admission.load_invite(invite_file).encode()
+        return identity, lambda auth: blob
+    return identity, None
+
+
+def print_status(
+    address: str,
+    *,
+    as_json: bool,
+    timeout: float,
+    insecure: bool | None = None,
+    data_dir: str | None = None,
+    join_secret_file: str | None = None,
+    invite_file: str | None = None,
+) -> int:
     try:
-        st = fetch_status(address, timeout)
+        identity, prover = _signer(data_dir, join_secret_file, invite_file)
+        st = fetch_status(address, timeout, insecure=insecure, identity=identity, prover=prover)
     except grpc.RpcError as exc:
         print(f"peerd: cannot get status from {address}: {exc.code().name} {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # unreachable, not TLS / wrong peer (TlsError), unusable key files
+        print(f"peerd: cannot get status from {address}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(status_dict(st), sort_keys=True) if as_json else format_status(st))
     return 0
