@@ -1,0 +1,607 @@
+"""Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): sync one fragment of the model at a time, on
+a staggered schedule, while inner training goes on.
+
+Why: plain DiLoCo sends the whole model at once and the trainer waits for it. Cutting the model into P
+fragments (groups of transformer blocks, `trainer.fragments`) divides the bytes in flight at any moment by P,
+and letting each fragment's exchange overlap `tau` inner steps hides its latency, so on a slow link compute
+barely idles. Outer gradients should go out in 4 bits: set ``codec.name = "e3m0"`` in the run config (the
+paper's choice; the daemon accumulates the average in fp32). Any codec works; fp32 just sends 8x more.
+
+Schedule. ``s`` counts inner steps completed in the swarm's timeline. Fragment p syncs when
+(s - t_p) % H == 0, offsets t_p = p*H//P; that round is numbered ``step = (s - t_p) // H`` and
+``worker.outer_step = s // H`` (full cycles), so the rendezvous leader expects the peers whose gossiped outer
+step is step-1 or step. One outer step (evaluate, publish, checkpoint) happens per cycle, at s % H == 0.
+
+Update. When fragment p's averaged pseudo-gradient lands, ``global_p <- NesterovOuter(key=p).step(global_p,
+avg)`` (separate momentum per fragment), and at s_start + tau ``local_p <- alpha * local_p + (1 - alpha) *
+global_p`` (`trainer.outer.streaming_merge`).
+
+Keeping every peer's global copy bit-identical:
+
+* The *global* update of a round is applied as soon as its result is seen, whatever the late policy: it is
+  the same bytes on every peer, and a fragment's rounds are applied in order because its next sync never
+  starts before the previous one is resolved.
+* At each cycle boundary every exchange started before it is resolved (waiting if needed, counted as idle)
+  before the state is published or checkpointed, so a snapshot never depends on network timing and a joiner
+  that downloads it is consistent. With tau <= H - t_{P-1} (about H/P) and exchanges that finish within tau
+  steps this never waits.
+* ``late_policy = "wait"``: at s_start + tau the trainer blocks until the round lands (measured with
+  `worker.add_idle`). ``"skip"``: it does not block; the *local merge* is deferred and done at the first
+  inner step after the round lands (counted in ``merges_skipped``). Deferred rather than dropped, so that on
+  a persistently slow link local fragments are still pulled towards the global ones.
+* A peer left out of a round (`Behind`), one that resumed or downloaded state (it cannot take part in the
+  rounds the swarm started at that boundary), one whose published state digest differs from the one most
+  peers at the same outer step publish, or one that sees the swarm a cycle ahead, downloads the swarm's
+  state again at its next cycle boundary. A failed round (`RoundFailed`) is all-or-nothing, so it changes
+  nobody's global copy; the digest check catches the rare case where it changed some.
+
+Fault injection for tests: ``PEERD_FAULT_EXCHANGE_DELAY_S=2.0`` makes every fragment exchange count as landed
+no earlier than 2 s after it started (the round itself runs normally): a slow link without a slow link.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from peerd.algorithm import OuterAlgorithm
+from peerd.allreduce import RoundFailed
+from peerd.rendezvous import Behind
+from trainer.flat import ParamLayout
+from trainer.fragments import due_fragments, fragment_offsets, split_fragments
+from trainer.outer import NesterovOuter, OuterError, pseudo_gradient, streaming_merge
+
+if TYPE_CHECKING:
+    from peerd.worker import Worker
+
+log = logging.getLogger("peerd")
+
+FAULT_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"
+STATS_FILE = "streaming.json"
+MAX_SYNC_RECORDS = 4096  # per-sync records kept for streaming.json (bounded memory on long runs)
+_CLOSE_WAIT_S = 60.0
+
+
+class StreamingError(ValueError):
+    """A bad Streaming DiLoCo setting, fault-injection value or state tensor."""
+
+
+def fault_delay_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds from PEERD_FAULT_EXCHANGE_DELAY_S (0 when unset); only a finite number in [0, 3600] passes."""
+    raw = (os.environ if environ is None else environ).get(FAULT_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StreamingError(f"{FAULT_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 3600.0:
+        raise StreamingError(f"{FAULT_DELAY_ENV} must be in [0, 3600] seconds, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When each fragment syncs, which round step that is, and when its result is merged."""
+
+    H: int
+    tau: int
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def make(cls, num_fragments: int, H: int, tau: int) -> Schedule:
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau < H:
+            raise StreamingError(f"tau must be an int in [1, H={H}), got {tau!r}")
+        return cls(H, tau, tuple(fragment_offsets(num_fragments, H)))
+
+    def due(self, s: int) -> list[int]:
+        """Fragments whose exchange starts after inner step s (s = steps completed; never at s = 0)."""
+        return due_fragments(s, list(self.offsets), self.H)
+
+    def round_step(self, s: int, p: int) -> int:
+        """The rendezvous step of fragment p's sync at s: k for its sync in cycle k (never negative)."""
+        return (s - self.offsets[p]) // self.H
+
+    def merge_at(self, s: int) -> int:
+        return s + self.tau
+
+    def is_boundary(self, s: int) -> bool:
+        return s > 0 and s % self.H == 0
+
+    def boundary_wait_free(self) -> bool:
+        """True when every fragment's merge point falls before the next cycle boundary (tau <= H - t_last)."""
+        return max(self.offsets) + self.tau <= self.H
+
+
+def fragment_digest(t: Tensor) -> str:
+    """Short content hash of a CPU fp32 fragment, logged per sync so peers' copies can be compared."""
+    data = t.detach().to("cpu", torch.float32).contiguous().numpy()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class FragmentState:
+    """The shared half of Streaming DiLoCo on flat CPU fp32 buffers: the global copy and per-fragment outer
+    momentum.
+
+    Model-free on purpose: these are the numbers that must be bit-identical on every peer, so keeping them
+    apart from the training loop makes that easy to check.
+    """
+
+    def __init__(
+        self, layout: ParamLayout, fragments: list[list[str]], global_params: Tensor, outer: NesterovOuter
+    ) -> None:
+        names = [n for frag in fragments for n in frag]
+        if sorted(names) != sorted(layout.names):
+            raise StreamingError("fragments must cover every parameter of the layout exactly once")
+        layout.check(global_params)
+        self.layout = layout
+        self.fragments = fragments
+        self.global_params = global_params
+        self.outer = outer
+        self.sizes = [layout.fragment_numel(f) for f in fragments]
+
+    def global_fragment(self, p: int) -> Tensor:
+        """A copy of fragment p of the global parameters (flat, in the fragment's name order)."""
+        return self.layout.gather(self.global_params, self.fragments[p])
+
+    def pseudo_gradient(self, p: int, local_p: Tensor) -> Tensor:
+        """global_p - local_p on local_p's device: what this peer contributes to fragment p's round."""
+        return pseudo_gradient(self.global_fragment(p).to(local_p.device), local_p)
+
+    def apply_average(self, p: int, average: Tensor) -> Tensor:
+        """Outer Nesterov step for fragment p with the round's averaged pseudo-gradient; returns global_p."""
+        if average.dim() != 1 or average.numel() != self.sizes[p]:
+            got = average.numel()
+            raise StreamingError(f"fragment {p} needs {self.sizes[p]} values, the round returned {got}")
+        g = self.global_fragment(p)
+        self.outer.step(g, average.to("cpu", torch.float32), key=p)
+        self.layout.scatter_(self.global_params, self.fragments[p], g)
+        return g
+
+    def momentum_flat(self) -> Tensor:
+        """Every fragment's momentum at its parameters' positions in layout order (zeros where none yet)."""
+        flat = torch.zeros(self.layout.numel, dtype=torch.float32)
+        for p, names in enumerate(self.fragments):
+            buf = self.outer.buffers.get(p)
+            if buf is not None:
+                self.layout.scatter_(flat, names, buf.to("cpu"))
+        return flat
+
+    def load(self, params: Tensor, momentum: Tensor) -> None:
+        """Adopt a downloaded or checkpointed state (validated: shapes from our own layout, finite values)."""
+        for name, t in (("params", params), ("outer_momentum", momentum)):
+            try:
+                self.layout.check(t)
+            except ValueError as exc:
+                raise StreamingError(f"state tensor {name!r}: {exc}") from exc
+        self.global_params = params.detach().to("cpu", torch.float32).clone()
+        gather = self.layout.gather
+        self.outer.buffers = {p: gather(momentum, names) for p, names in enumerate(self.fragments)}
+
+
+def merge_fragment(local_p: Tensor, new_global_p: Tensor, alpha: float) -> None:
+    """local_p <- alpha * local_p + (1 - alpha) * new_global_p, in place, on local_p's device."""
+    streaming_merge(local_p, new_global_p.to(local_p.device), alpha)
+
+
+@dataclass
+class SyncRecord:
+    """One fragment round as this peer saw it (written to streaming.json for tests and benchmarks)."""
+
+    fragment: int
+    step: int
+    s: int  # inner step (swarm timeline) at which it started
+    t_start: float  # wall clock (time.time())
+    t_end: float = 0.0  # when the round's future finished
+    outcome: str = "pending"  # applied | behind | failed | dropped
+    digest: str = ""  # fragment_digest of global_p after the update
+    included: int = 0
+    wire_bytes: int = 0
+    received_wire_bytes: int = 0
+    seconds: float = 0.0
+    merge: str = ""  # on_time | late | none
+
+
+@dataclass
+class StreamingStats:
+    syncs_started: int = 0
+    rounds_applied: int = 0
+    rounds_behind: int = 0  # left out of a round that others completed: triggers a resync
+    rounds_failed: int = 0
+    merges_on_time: int = 0
+    merges_skipped: int = 0  # not done at s_start + tau (late_policy "skip"); done when the round landed
+    merge_waits: int = 0  # late_policy "wait": times the trainer blocked at a merge point
+    boundary_waits: int = 0  # times the trainer blocked at a cycle boundary for an unfinished exchange
+    wait_seconds: float = 0.0
+    digest_mismatches: int = 0
+    resyncs: int = 0
+    syncs: deque = field(default_factory=lambda: deque(maxlen=MAX_SYNC_RECORDS))
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "syncs"}
+        out["syncs"] = [asdict(r) for r in self.syncs]
+        return out
+
+
+class _Exchange:
+    """One fragment's round in flight and what is left to do with it."""
+
+    def __init__(self, record: SyncRecord, merge_at: int, future: Future, ready_at: float) -> None:
+        self.record = record
+        self.merge_at = merge_at
+        self.future = future
+        self.ready_at = ready_at  # monotonic time before which it does not count as landed (fault injection)
+        self.resolved = False  # the global update is applied (or the round is known not to apply)
+        self.merge_pending = True  # the local merge is still to do
+        self.late = False
+        future.add_done_callback(self._finished)
+
+    @property
+    def fragment(self) -> int:
+        return self.record.fragment
+
+    def _finished(self, _fut: concurrent.futures.Future) -> None:
+        self.record.t_end = time.time()  # runs on the daemon loop thread: a float store only
+
+    def landed(self) -> bool:
+        return self.future.done() and time.monotonic() >= self.ready_at
+
+    def wait(self) -> None:
+        concurrent.futures.wait([self.future])
+        delay = self.ready_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class StreamingDiLoCo(OuterAlgorithm):
+    name = "streaming"
+
+    def __init__(self, worker: Worker) -> None:
+        cfg = worker.cfg
+        sc = cfg.streaming
+        if sc.late_policy not in ("wait", "skip"):
+            raise StreamingError(f"streaming.late_policy must be 'wait' or 'skip', got {sc.late_policy!r}")
+        self.H = cfg.inner.steps
+        self.alpha = float(sc.alpha)
+        self.late_policy = sc.late_policy
+        self.target = cfg.run.outer_steps
+        fragments = split_fragments(worker.model, sc.fragments, sc.mode)  # type: ignore[arg-type]
+        self.schedule = Schedule.make(len(fragments), self.H, sc.tau)
+        flat = worker.layout.flatten(worker.model).detach().to("cpu", torch.float32).clone()
+        outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
+        self.state = FragmentState(worker.layout, fragments, flat, outer)
+        self.params: dict[str, nn.Parameter] = dict(worker.model.named_parameters())
+        self.fault_delay = fault_delay_from_env()
+        self.resync_timeout = cfg.network.rendezvous_timeout + 10.0
+        self.stats = StreamingStats()
+        self.stats_path = Path(worker.data_dir) / STATS_FILE
+        self.pending: dict[int, _Exchange] = {}
+        self.s = 0  # inner steps completed, in the swarm's timeline
+        self.needs_resync = False
+        self._reloaded = False  # state replaced from outside (checkpoint resume, joiner download)
+        self._cycle_checked = -1  # outer step whose digest agreement was last confirmed
+        if self.fault_delay:
+            log.warning("fault injection: exchanges land >= %.2fs after they start", self.fault_delay)
+        if not self.schedule.boundary_wait_free():
+            log.warning(
+                "streaming.tau=%d > H - t_last=%d: late fragments' exchanges resolve at the cycle boundary",
+                sc.tau,
+                self.H - max(self.schedule.offsets),
+            )
+
+    # -- local fragments (the model's own parameters) --------------------------------------------------------
+    def _local(self, p: int) -> Tensor:
+        return torch.cat([self.params[n].detach().reshape(-1).float() for n in self.state.fragments[p]])
+
+    @torch.no_grad()
+    def _write_local(self, p: int, flat: Tensor) -> None:
+        pos = 0
+        for n in self.state.fragments[p]:
+            param = self.params[n]
+            k = param.numel()
+            param.copy_(flat[pos : pos + k].view(param.shape))
+            pos += k
+
+    # -- the hook the worker calls ---------------------------------------------------------------------------
+    def after_inner_step(self, worker: Worker, t: int) -> bool:
+        if self._reloaded:
+            self._reposition(worker)
+        self.s += 1
+        s = self.s
+        for ex in list(self.pending.values()):  # results that already landed: apply their global update now
+            if not ex.resolved and ex.landed():
+                self._resolve(worker, ex)
+            if ex.resolved and ex.merge_pending and ex.late:
+                self._merge(ex)
+        for ex in [e for e in self.pending.values() if e.merge_pending and e.merge_at == s]:
+            if not ex.resolved:
+                if self.late_policy == "wait":
+                    self._block(worker, ex, "merge")
+                else:
+                    ex.late = True
+                    self.stats.merges_skipped += 1
+            if ex.resolved and ex.merge_pending:
+                self._merge(ex)
+        boundary = self.schedule.is_boundary(s)
+        if boundary:
+            self._finish_cycle(worker, s)
+        elif s % self.H >= self.H // 2:
+            self._check_digests(worker)
+        self._forget_done()
+        final = boundary and self.target > 0 and worker.outer_step >= self.target
+        if not final:  # the last cycle starts no exchange: nobody would apply it
+            self._start_due(worker, self.s)
+        return boundary
+
+    def _finish_cycle(self, worker: Worker, s: int) -> None:
+        """Quiesce before the worker publishes and checkpoints: resolve every exchange started before s."""
+        for ex in list(self.pending.values()):
+            if not ex.resolved:
+                self._block(worker, ex, "boundary")
+            if ex.merge_pending and (ex.late or ex.merge_at <= s):
+                self._merge(ex)
+        k = s // self.H
+        ahead = self._swarm_ahead(worker)
+        if ahead > k:
+            log.warning("the swarm is at outer step %d, we are finishing %d: downloading its state", ahead, k)
+            self.needs_resync = True
+        worker.outer_step = k
+        if self.needs_resync:
+            self._resync(worker, max(k, ahead))
+        log.info(
+            "streaming cycle %d: %d syncs, %d applied, merges %d on time/%d skipped, %.2fs idle, %d resyncs",
+            worker.outer_step,
+            self.stats.syncs_started,
+            self.stats.rounds_applied,
+            self.stats.merges_on_time,
+            self.stats.merges_skipped,
+            self.stats.wait_seconds,
+            self.stats.resyncs,
+        )
+
+    def _start_due(self, worker: Worker, s: int) -> None:
+        for p in self.schedule.due(s):
+            if p in self.pending:  # the boundary rule prevents this: never overlap a fragment with itself
+                raise RuntimeError(f"fragment {p} is still in flight when its next sync is due")
+            pseudo = self.state.pseudo_gradient(p, self._local(p))
+            step = self.schedule.round_step(s, p)
+            record = SyncRecord(fragment=p, step=step, s=s, t_start=time.time())
+            future = worker.daemon.allreduce_async(step, pseudo, fragment=p)
+            future.add_done_callback(lambda f, step=step: self._note_members(worker.daemon, step, f))
+            ready_at = time.monotonic() + self.fault_delay
+            self.pending[p] = _Exchange(record, self.schedule.merge_at(s), future, ready_at)
+            self.stats.syncs_started += 1
+            self.stats.syncs.append(record)
+
+    @staticmethod
+    def _note_members(daemon: Any, step: int, future: concurrent.futures.Future) -> None:
+        """Everyone in fragment round `step` has reached outer step `step`: note it in the membership table
+        at once instead of waiting for gossip, so the next fragment's leader expects them (when cycles are
+        shorter than the gossip interval, stale gossip would leave them out). DiLoCo's rounds do the same."""
+        if future.cancelled() or future.exception() is not None or daemon.loop is None:
+            return
+        included = list(future.result().included)
+
+        def note() -> None:
+            for pid in included:
+                info = daemon.membership.get(pid)
+                if info is not None and pid != daemon.identity.peer_id and step > info.outer_step:
+                    info.outer_step = step
+                    info.state_digest = b""  # the digest gossiped with the old step is not this step's
+
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody needs the note
+            daemon.loop.call_soon_threadsafe(note)
+
+    def _block(self, worker: Worker, ex: _Exchange, why: str) -> None:
+        """Wait for an exchange the schedule cannot go on without; the wait is compute-idle time."""
+        t0 = time.perf_counter()
+        ex.wait()
+        waited = time.perf_counter() - t0
+        worker.add_idle(waited)
+        self.stats.wait_seconds += waited
+        if why == "merge":
+            self.stats.merge_waits += 1
+        else:
+            self.stats.boundary_waits += 1
+        self._resolve(worker, ex)
+
+    def _resolve(self, worker: Worker | None, ex: _Exchange) -> None:
+        """Apply a finished round's global update (identical on every peer of the round), or note why not."""
+        ex.resolved = True
+        rec = ex.record
+        p = ex.fragment
+        try:
+            result = ex.future.result(timeout=0)
+        except Behind as exc:
+            rec.outcome, ex.merge_pending = "behind", False
+            self.stats.rounds_behind += 1
+            self.needs_resync = True
+            log.warning("left out of fragment %d round %d (swarm at %d): resync", p, rec.step, exc.step)
+            return
+        except Exception as exc:  # RoundFailed or anything else: the round did not complete for us
+            rec.outcome, ex.merge_pending = "failed", False
+            self.stats.rounds_failed += 1
+            log.warning("fragment %d round %d failed: %s; its global copy is unchanged", p, rec.step, exc)
+            return
+        try:
+            new_global = self.state.apply_average(p, result.average)
+        except (OuterError, StreamingError) as exc:  # same bytes everywhere: every peer refuses it alike
+            rec.outcome, ex.merge_pending = "failed", False
+            self.stats.rounds_failed += 1
+            log.warning("fragment %d round %d returned an unusable average: %s", p, rec.step, exc)
+            return
+        st = result.stats
+        rec.outcome = "applied"
+        rec.digest = fragment_digest(new_global)
+        rec.included = len(result.included)
+        rec.wire_bytes, rec.received_wire_bytes = st.wire_bytes, st.received_wire_bytes
+        rec.seconds = st.seconds
+        self.stats.rounds_applied += 1
+        if worker is not None:
+            worker.last_result = result
+
+    def _merge(self, ex: _Exchange) -> None:
+        """local_p <- alpha*local_p + (1-alpha)*global_p, where global_p already holds this round's update."""
+        p = ex.fragment
+        local = self._local(p)
+        merge_fragment(local, self.state.global_fragment(p), self.alpha)
+        self._write_local(p, local)
+        ex.merge_pending = False
+        ex.record.merge = "late" if ex.late else "on_time"
+        if not ex.late:
+            self.stats.merges_on_time += 1
+
+    def _forget_done(self) -> None:
+        for p in [p for p, ex in self.pending.items() if ex.resolved and not ex.merge_pending]:
+            del self.pending[p]
+
+    # -- staying consistent with the swarm -------------------------------------------------------------------
+    def _swarm_view(self, worker: Worker) -> list[tuple[str, int, bytes]]:
+        """(peer id, outer step, state digest) of the other live peers, read on the daemon loop."""
+        daemon = worker.daemon
+
+        async def view() -> list[tuple[str, int, bytes]]:
+            peers = daemon.membership.alive(include_self=False)
+            return [(p.peer_id, p.outer_step, bytes(p.state_digest)) for p in peers]
+
+        try:
+            return daemon.call(view(), timeout=5.0)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            return []
+
+    def _swarm_ahead(self, worker: Worker) -> int:
+        return max((step for _, step, _ in self._swarm_view(worker)), default=-1)
+
+    def _check_digests(self, worker: Worker) -> None:
+        """Compare the state we published for this outer step with what the other peers at that step
+        published.
+
+        The digest most peers report is canonical (ties: the one the lowest peer id reports), so every peer
+        reaches the same verdict from the same gossip and at least one group never resyncs.
+        """
+        k = worker.outer_step
+        if self.needs_resync or self._cycle_checked == k:
+            return
+        me = worker.daemon.me
+        mine, my_id = bytes(me.state_digest), me.peer_id
+        if me.outer_step != k or not mine:
+            return  # our own publish has not reached the loop yet
+        others = [(pid, d) for pid, step, d in self._swarm_view(worker) if step == k and d]
+        if not others:
+            return
+        holders: dict[bytes, list[str]] = {}
+        for pid, d in [(my_id, mine), *others]:
+            holders.setdefault(d, []).append(pid)
+        canonical = min(holders, key=lambda d: (-len(holders[d]), min(holders[d])))
+        if canonical != mine:
+            self.stats.digest_mismatches += 1
+            self.needs_resync = True
+            log.warning(
+                "our state at outer step %d differs from %d of %d peers: resync at the cycle end",
+                k,
+                len(holders[canonical]),
+                len(others),
+            )
+        self._cycle_checked = k
+
+    def _resync(self, worker: Worker, min_step: int) -> None:
+        """Download the swarm's state (published at a cycle boundary, so quiescent) and go on from there.
+
+        Like `Worker.resync`, but with a deadline of about one rendezvous: the peers we lag behind publish
+        `min_step` at their own boundary, so if nobody serves it by then they have left or moved on, and we
+        train on and try again at the next boundary instead of blocking for minutes.
+        """
+        daemon = worker.daemon
+        if not self._swarm_view(worker):
+            log.warning("no other live peer to download state from: going on with our own state")
+            self.needs_resync = False
+            return
+        numel = worker.layout.numel
+        daemon.status.state = "syncing"
+        t0 = time.perf_counter()
+        try:
+            snap = daemon.fetch_state(
+                min_step, {"params": (numel,), "outer_momentum": (numel,)}, timeout=self.resync_timeout
+            )
+            self.load_state_tensors(worker, snap.tensors)
+        except (RoundFailed, ValueError) as exc:
+            # Nobody published min_step: the swarm is not ahead of us after all (a whole swarm restarted from
+            # checkpoints, say). The digest check flags us again if we really differ.
+            log.warning("could not download the swarm's state (%s); going on with our own", exc)
+            self.needs_resync = False
+            return
+        finally:
+            worker.add_idle(time.perf_counter() - t0)
+            daemon.status.state = "training"
+        worker.outer_step = snap.step
+        self._reloaded = False
+        self.needs_resync = False
+        self.s = snap.step * self.H
+        self.stats.resyncs += 1
+
+    def _reposition(self, worker: Worker) -> None:
+        """The state was replaced at cycle boundary k (checkpoint resume, joiner download): go on from there.
+
+        The swarm started the rounds due at that boundary when it published the state, so we cannot take
+        part in them any more: our copy of those fragments will miss their update. Rather than join late
+        (and, if we are the lowest peer id, lead a group nobody else joins), we leave them out and download
+        the state again at the next boundary, where the swarm expects us because we now gossip step k.
+        """
+        self._reloaded = False
+        self.s = worker.outer_step * self.H
+        if self.s > 0 and self.schedule.due(self.s):
+            self.needs_resync = True
+
+    # -- OuterAlgorithm state --------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, Tensor]:
+        return {"params": self.state.global_params.clone(), "outer_momentum": self.state.momentum_flat()}
+
+    def load_state_tensors(self, worker: Worker, tensors: dict[str, Tensor]) -> None:
+        missing = {"params", "outer_momentum"} - set(tensors)
+        if missing:
+            raise StreamingError(f"state is missing {sorted(missing)}")
+        self.state.load(tensors["params"], tensors["outer_momentum"])
+        for ex in self.pending.values():  # rounds of the state we drop: their results no longer apply
+            ex.record.outcome = "dropped"
+        self.pending.clear()
+        worker.layout.unflatten_into(self.state.global_params, worker.model)
+        self._reloaded = True
+
+    def close(self) -> None:
+        """Apply what is still in flight (bounded wait), so the final checkpoint's global copy holds every
+        round this peer took part in; local merges are not done any more (training has stopped)."""
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        for ex in self.pending.values():
+            if ex.resolved:
+                continue
+            done, _ = concurrent.futures.wait([ex.future], timeout=max(deadline - time.monotonic(), 0.0))
+            if done:
+                self._resolve(None, ex)
+            else:
+                ex.record.outcome = "dropped"
+        self.pending.clear()
+        self.write_stats()
+
+    def write_stats(self) -> None:
+        """streaming.json next to summary.json: counters plus one record per fragment round (atomic write)."""
+        try:
+            tmp = self.stats_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.stats.to_json(), sort_keys=True))
+            tmp.replace(self.stats_path)
+        except OSError as exc:
+            log.warning("could not write %s: %s", self.stats_path, exc)
