@@ -1,6 +1,6 @@
 """Time one DiLoCo round (rendezvous + reduce-scatter + all-gather) between N real daemon processes on loopback.
 
-    python -m bench.round [--params 10_000_000] [--peers 2,3,4] [--rounds 7] [--codec fp32]
+    python -m bench.round [--params 10_000_000] [--peers 2,3,4] [--rounds 7] [--codec fp32] [--tls]
 
 Each peer is a separate OS process running a real `Daemon` (gRPC on 127.0.0.1) that averages a random vector of
 --params fp32 values; no training, so the figure is the round itself. Prints the median seconds per round and the
@@ -35,7 +35,9 @@ def worker(args: argparse.Namespace) -> None:
     codec = {"name": args.codec, "zstd_level": args.zstd_level}
     cfg = RunConfig.from_dict({"codec": codec, "network": dict(BENCH_NETWORK)})
     data = Path(args.out).parent / f"peer{args.index}"
-    daemon = Daemon(cfg, Identity.generate(), listen="127.0.0.1:0", bootstrap=args.bootstrap, data_dir=data)
+    daemon = Daemon(
+        cfg, Identity.generate(), listen="127.0.0.1:0", bootstrap=args.bootstrap, data_dir=data, insecure=not args.tls
+    )
     daemon.start()
     import threading
 
@@ -54,9 +56,12 @@ def worker(args: argparse.Namespace) -> None:
     daemon.stop()
 
 
-def run_swarm(n: int, params: int, rounds: int, codec: str, zstd_level: int, workdir: Path) -> list[dict]:
+def run_swarm(
+    n: int, params: int, rounds: int, codec: str, zstd_level: int, workdir: Path, use_tls: bool = False
+) -> list[dict]:
     cmd = [sys.executable, "-m", "bench.round", "--worker", "--params", str(params), "--rounds", str(rounds),
            "--codec", codec, "--n", str(n), "--zstd-level", str(zstd_level)]  # fmt: skip
+    cmd += ["--tls"] if use_tls else []
     procs = [subprocess.Popen([*cmd, "--index", "0", "--out", str(workdir / "r0.json")])]
     addr_file = workdir / "peer0" / "address"
     deadline = time.monotonic() + 60
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec", default="fp32")
     ap.add_argument("--zstd-level", type=int, default=0, help="0: no compression (the plain fp32 baseline)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tls", action="store_true", help="TLS links, as `peerd start` uses by default (else plaintext)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=2, help=argparse.SUPPRESS)
@@ -94,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     print(
-        f"DiLoCo round, {args.params / 1e6:.1f}M params, codec {args.codec}, loopback, median of "
+        f"DiLoCo round, {args.params / 1e6:.1f}M params, codec {args.codec}, {'TLS' if args.tls else 'plaintext'}, "
+        f"loopback, median of "
         f"{args.rounds - 1} rounds after one warm-up"
     )
     print(f"{'peers':>5} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13}")
     for n in [int(x) for x in args.peers.split(",")]:
         with tempfile.TemporaryDirectory(prefix="peerd-bench-round-") as tmp:
-            results = run_swarm(n, args.params, args.rounds, args.codec, args.zstd_level, Path(tmp))
+            results = run_swarm(n, args.params, args.rounds, args.codec, args.zstd_level, Path(tmp), args.tls)
         per_round = [max(r["times"][k] for r in results) for k in range(1, args.rounds)]
         med = statistics.median(per_round)
         wire = statistics.median(r["stats"][k][0] + r["stats"][k][1] for r in results for k in range(1, args.rounds))
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['sent_mb_per_peer']:>13.1f}"
         )
     if args.json:
-        print(json.dumps({"params": args.params, "codec": args.codec, "rows": rows}))
+        print(json.dumps({"params": args.params, "codec": args.codec, "tls": args.tls, "rows": rows}))
     return 0
 
 

@@ -23,9 +23,11 @@ import grpc
 import torch
 
 from peerd import faults
-from peerd.codecs import Codec, CodecError
+from peerd.codecs import Codec, CodecError, make_codec
+from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
+from peerd.robust import ContributionGuard, ContributionRejected
 from peerd.streams import StreamError, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 
@@ -88,8 +90,15 @@ class ReduceRound:
         timeout_s: float,
         chunk_bytes: int,
         want_decoded: bool = False,
+        *,
+        guard: ContributionGuard | None = None,
+        on_invalid: Callable[[str, str], None] | None = None,
     ) -> None:
+        """`guard` checks contributions and replies and picks the aggregation rule (peerd/robust.py); `on_invalid`
+        (peer id, reason) hears of every member whose signed data it refused."""
         self.want_decoded = want_decoded
+        self.guard = guard
+        self.on_invalid = on_invalid
         self.group = group
         self.identity = identity
         self.run_id = run_id
@@ -139,16 +148,34 @@ class ReduceRound:
         self.stats.received_wire_bytes += len(payload)
         self.contrib[index] = decoded
         if all(c is not None for c in self.contrib) and not self.reduced.done():
-            encoded, avg = await loop.run_in_executor(self.executor, self._reduce)
+            try:
+                encoded, avg = await loop.run_in_executor(self.executor, self._reduce)
+            except ContributionRejected as exc:
+                offenders = {self.ids[i] for i in exc.offenders}
+                for pid in offenders:
+                    self._invalid(pid, "too_large")
+                names = sorted(p[:8] for p in offenders)
+                self.abort(RoundFailed(f"refused contributions from {names}: {exc}", offenders, "rejected"))
+                return
             if not self.reduced.done():
                 self.reduced.set_result((encoded, avg))
 
+    def _invalid(self, peer_id: str, reason: str) -> None:
+        if self.on_invalid is not None:
+            self.on_invalid(peer_id, reason)
+
     def _reduce(self) -> tuple[bytes, torch.Tensor]:
-        """Average in fp32 in member order, encode once, and decode our own bytes so we match every other member."""
-        acc = self.contrib[0].clone()  # type: ignore[union-attr]
-        for c in self.contrib[1:]:
-            acc += c  # type: ignore[operator]
-        acc /= self.n
+        """Average in fp32 in member order, encode once, and decode our own bytes so we match every other member.
+        With a guard, contributions are screened first (ContributionRejected) and the run's aggregation rule used."""
+        if self.guard is not None:
+            contribs = [c for c in self.contrib if c is not None]
+            self.guard.screen(self.group.fragment, self.me, contribs)
+            acc = self.guard.aggregate(contribs)
+        else:
+            acc = self.contrib[0].clone()  # type: ignore[union-attr]
+            for c in self.contrib[1:]:
+                acc += c  # type: ignore[operator]
+            acc /= self.n
         encoded = self.codec.encode(acc)
         return encoded, self.codec.decode(encoded, acc.numel())
 
@@ -206,18 +233,35 @@ class ReduceRound:
             }
             remaining = max(self.deadline - time.monotonic(), 0.01)
             results: dict[int, torch.Tensor] = {}
+            own_wait = asyncio.ensure_future(asyncio.shield(self.reduced))
+            waiting: dict[asyncio.Future, int] = {own_wait: self.me, **{t: j for j, t in tasks.items()}}
             try:
-                _, own_avg = await asyncio.wait_for(asyncio.shield(self.reduced), remaining)
-                results[self.me] = own_avg
-                for j, task in tasks.items():
-                    results[j] = await asyncio.wait_for(task, max(self.deadline - time.monotonic(), 0.01))
+                # Fail as soon as any part fails (not when the parts before it in member order are done), so a
+                # failure anywhere in the group reaches every member in one round trip.
+                done, pending = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
+                if failed:
+                    raise next((e for e in failed if isinstance(e, RoundFailed) and e.suspects), failed[0])
+                if pending:
+                    raise TimeoutError
+                for fut, j in waiting.items():
+                    results[j] = fut.result()[1] if j == self.me else fut.result()
             except BaseException as exc:
+                own_wait.cancel()
                 for task in tasks.values():
                     task.cancel()
                 self.abort(exc if isinstance(exc, RoundFailed) else RoundFailed(str(exc)))
                 raise self._as_failure(exc, tasks) from exc
         finally:
             self._deadline_handle.cancel()
+        if self.guard is not None:  # the same verdict on every member: it depends only on bytes they all received
+            bad = self.guard.screen_replies(self.me, [results[j] for j in range(self.n)])
+            for j in bad:
+                self._invalid(self.ids[j], "too_large")
+            if bad:
+                names = sorted(self.ids[j][:8] for j in bad)
+                raise RoundFailed(f"averaged shards from {names} are far larger than the others'",
+                                  {self.ids[j] for j in bad}, "rejected")  # fmt: skip
         average = torch.empty(self.vector.numel(), dtype=torch.float32)
         for j, (lo, hi) in enumerate(self.bounds):
             average[lo:hi] = results[j]
@@ -225,6 +269,13 @@ class ReduceRound:
         return RoundResult(average, self.group, list(self.ids), self.stats, self.sent_decoded)
 
     def _encode_all(self) -> list[bytes]:
+        parts = [self.vector[lo:hi] for lo, hi in self.bounds]
+        bad = [faults.poisoned(part) for part in parts]  # a test-only injector: each part itself unless enabled
+        if any(b is not part for b, part in zip(bad, parts, strict=True)):
+            self.sent_decoded = None
+            if not bool(torch.isfinite(bad[self.me]).all()):
+                bad[self.me] = parts[self.me]  # a NaN frame would not decode for us either
+            return [_forge_frame(self.codec, b.contiguous()) for b in bad]
         payloads = [self.codec.encode(self.vector[lo:hi].contiguous()) for lo, hi in self.bounds]
         self.sent_decoded = None
         if self.want_decoded:
@@ -250,6 +301,10 @@ class ReduceRound:
         )
         try:
             rx = await read_tensor(call.__aiter__(), verifier, self.codec.max_encoded_size(self.shard_numel(j)))
+        except StreamError as exc:
+            if exc.sender == member.peer_id:
+                self._invalid(member.peer_id, exc.reason)
+            raise RoundFailed(f"reply from {member.peer_id[:8]} refused: {exc}", {member.peer_id}, "malformed") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 raise RoundFailed(f"{member.peer_id[:8]} aborted the round: {exc.details()}") from exc
@@ -268,7 +323,12 @@ class ReduceRound:
             raise RoundFailed(f"{member.peer_id[:8]} averaged a different set of peers", {member.peer_id})
         self.stats.received_wire_bytes += len(rx.payload)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.codec.decode, rx.payload, self.shard_numel(j))
+        try:
+            reply = await loop.run_in_executor(self.executor, self.codec.decode, rx.payload, self.shard_numel(j))
+        except CodecError as exc:
+            self._invalid(member.peer_id, "nan" if "NaN" in str(exc) else "malformed")
+            raise RoundFailed(f"{member.peer_id[:8]} sent an undecodable average: {exc}", {member.peer_id}) from exc
+        return reply
 
     def _as_failure(self, exc: BaseException, tasks: dict[int, asyncio.Future]) -> RoundFailed:
         if isinstance(exc, RoundFailed):
@@ -280,3 +340,15 @@ class ReduceRound:
             missing = {self.ids[i] for i, c in enumerate(self.contrib) if c is None}
             return RoundFailed("round timed out", missing, "timeout")
         return RoundFailed(f"round failed: {exc!r}")
+
+
+def _forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
+    """Fault injection only (a poisoning peer): frame `x` even when it holds NaN/Inf, which `encode` refuses, the
+    way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""
+    if bool(torch.isfinite(x).all()):
+        return codec.encode(x)
+    plain = make_codec(codec.name, zstd=False, block_size=codec.block_size or 256)
+    frame = plain.encode(torch.nan_to_num(x, nan=1.0, posinf=1.0, neginf=-1.0))
+    body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
+    body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
+    return seal_frame(parse_header(frame), body)

@@ -1,14 +1,27 @@
-"""Client channels to other peers: one grpc.aio channel per address, reused across RPCs.
+"""Client channels to other peers: one grpc.aio channel per address (and, with TLS, per pinned certificate), reused
+across RPCs.
 
 Channel options live here so every dial in the daemon shares them: message size limits sized for 1 MiB chunks, and
 keepalives so a dead peer's half-open connection is noticed during long rounds.
+
+With TLS (peerd/tls.py) a channel trusts only the certificate of the peer it is meant to reach, checked against that
+peer's public key first. Callers may name the peer; otherwise the peer that gossip says lives at the address is
+used, or the certificate read on first contact with a bootstrap address. An address with no certificate that checks
+out gets a channel whose handshake cannot succeed, so callers see the usual UNAVAILABLE, never plaintext.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import grpc
 
+from peerd import tls
+from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
+
+log = logging.getLogger("peerd")
 
 MAX_MESSAGE_BYTES = 4 << 20  # a 1 MiB chunk plus its framing fits with room to spare; anything larger is refused
 
@@ -26,31 +39,77 @@ CHANNEL_OPTIONS = [
 
 
 class Channels:
-    """A pool of channels keyed by peer address; must be used from the daemon's event loop."""
+    """A pool of channels keyed by (address, certificate); must be used from the daemon's event loop.
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    `own` is this peer's TLS identity (None: plaintext, --insecure). `resolve` maps an address to the peer gossip
+    says lives there, for callers that pass only an address.
+    """
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
+    def __init__(
+        self,
+        own: tls.TlsIdentity | None = None,
+        resolve: Callable[[str], pb.PeerInfo | None] | None = None,
+    ) -> None:
+        self._channels: dict[tuple[str, bytes], grpc.aio.Channel] = {}
+        self.own = own
+        self.resolve = resolve
+        self._first_contact: dict[str, bytes] = {}  # bootstrap address -> certificate read there (TOFU)
+        self._warned: set[tuple[str, str]] = set()
+
+    def pin(self, address: str, cert_der: bytes) -> None:
+        """Trust `cert_der` at `address` when no gossiped peer claims the address (bootstrap, first contact)."""
+        self._first_contact[address] = cert_der
+
+    def _cert_for(self, address: str, peer: pb.PeerInfo | None) -> tuple[bytes, str]:
+        """(certificate, peer id) to dial `address` with; (b"", "") when none checks out."""
+        info = peer if peer is not None else (self.resolve(address) if self.resolve is not None else None)
+        if info is not None and info.tls_cert:
+            try:
+                return info.tls_cert, tls.verify_cert(info.tls_cert, info.public_key)
+            except tls.TlsError as exc:
+                self._warn(address, f"certificate gossiped for peer {info.peer_id[:8]} at {address} refused: {exc}")
+                return b"", ""
+        cert = self._first_contact.get(address)
+        if cert is not None and (info is None or not info.tls_cert):
+            pid = tls.verify_cert(cert)
+            if info is None or info.peer_id == pid:
+                return cert, pid
+        self._warn(address, f"no valid TLS certificate known for {address}; not dialing it")
+        return b"", ""
+
+    def _warn(self, address: str, msg: str) -> None:
+        if (address, msg) not in self._warned and len(self._warned) < 1024:
+            self._warned.add((address, msg))
+            log.warning(msg)
+
+    def channel(self, address: str, peer: pb.PeerInfo | None = None) -> grpc.aio.Channel:
+        cert, pid = self._cert_for(address, peer) if self.own is not None else (b"", "")
+        key = (address, cert)
+        ch = self._channels.get(key)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            self._channels[address] = ch
+            if self.own is None:
+                ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            elif cert:
+                opts = CHANNEL_OPTIONS + tls.channel_options(pid)
+                ch = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
+            else:  # trust our own certificate under a name it does not carry: the handshake always fails
+                opts = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", "unverified.invalid")]
+                ch = grpc.aio.secure_channel(address, tls.channel_credentials(self.own.cert_der), options=opts)
+            self._channels[key] = ch
         return ch
 
-    def membership(self, address: str) -> rpc.MembershipStub:
-        return rpc.MembershipStub(self.channel(address))
+    def membership(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.MembershipStub:
+        return rpc.MembershipStub(self.channel(address, peer))
 
-    def rounds(self, address: str) -> rpc.RoundsStub:
-        return rpc.RoundsStub(self.channel(address))
+    def rounds(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.RoundsStub:
+        return rpc.RoundsStub(self.channel(address, peer))
 
-    def state(self, address: str) -> rpc.StateStub:
-        return rpc.StateStub(self.channel(address))
+    def state(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.StateStub:
+        return rpc.StateStub(self.channel(address, peer))
 
     async def drop(self, address: str) -> None:
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            await ch.close()
+        for key in [k for k in self._channels if k[0] == address]:
+            await self._channels.pop(key).close()
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -28,14 +28,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from peerd import tls
+from peerd.admission import Admission, AdmissionError
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
-from peerd.envelope import AuthError, Verifier, sign
-from peerd.identity import Identity
+from peerd.envelope import AuthError, Verifier, set_admission_prover, sign
+from peerd.identity import Identity, peer_id_of
+from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
 from peerd.rendezvous import Behind, RendezvousLeader
+from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
 from peerd.statesync import StateSnapshot, read_state
 from peerd.streams import StreamError
@@ -48,6 +52,11 @@ UNREACHABLE = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
+}
+AUTH_CODES = {  # envelope refusals that are not plain authentication failures
+    "wrong_run": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_admitted": grpc.StatusCode.PERMISSION_DENIED,
+    "banned": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -73,6 +82,7 @@ class LocalStatus:
     rounds_partial: int = 0
     rounds_failed: int = 0
     rejected_messages: int = 0
+    rejected_contributions: int = 0
     solo_steps: int = 0
     finished: bool = False
     last_round: pb.RoundSummary | None = None
@@ -91,7 +101,10 @@ class Daemon:
         announce: str | None = None,
         data_dir: Path,
         metrics_listen: str | None = None,
+        insecure: bool = False,
     ) -> None:
+        """`insecure` serves and dials plaintext gRPC (tests only); otherwise TLS bound to the peer id (peerd/tls.py).
+        Raises AdmissionError when this peer could not be admitted to its own run (missing secret or invitation)."""
         self.cfg = cfg
         self.identity = identity
         self.listen = listen
@@ -112,6 +125,22 @@ class Daemon:
         net = cfg.network
         self.membership = Membership(self.me, net.peer_timeout, settle_s=min(3.0, 3 * net.gossip_interval))
         self.verifier = Verifier(self.run_id)
+        # Security (SECURITY.md): TLS identity, admission policy, bans, contribution checks and resource limits.
+        self.insecure = insecure
+        self.tls = None if insecure else tls.TlsIdentity.create(identity)
+        if self.tls is not None:
+            self.me.tls_cert = self.tls.cert_der
+        self.admission = Admission.from_config(cfg)
+        self.admission.check_self(identity.public_key)
+        set_admission_prover(identity.public_key, None if self.admission.open else self.admission.prove)
+        sec = cfg.security
+        self.bans = BanList(sec.ban_after, sec.ban_window, sec.ban_seconds)
+        self.guard = ContributionGuard(cfg.robust)
+        self.limits = PeerLimits.from_config(sec)
+        self._refusal_log = LogThrottle()
+        self.gossip_suspects: set[str] = set()  # reported banned by a majority of live peers (robust.py)
+        self.verifier.gate = self._gate
+        self.membership.excluded = self._excluded
         self.status = LocalStatus()
         self.snapshot: StateSnapshot | None = None
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peerd-codec")
@@ -145,7 +174,7 @@ class Daemon:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self._stopping = asyncio.Event()
-        self.channels = Channels()
+        self.channels = Channels(self.tls, self.membership.at_address)
         ready.set()
         self.loop.run_forever()
 
@@ -155,7 +184,11 @@ class Daemon:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=512)
+        server = grpc.aio.server(
+            options=CHANNEL_OPTIONS + SERVER_OPTIONS,
+            maximum_concurrent_rpcs=1024,
+            interceptors=[self.limits.interceptor(self.count_rejected)],
+        )
         from peerd.v1 import peerd_pb2_grpc as rpc
 
         rpc.add_MembershipServicer_to_server(MembershipService(self), server)
@@ -165,7 +198,10 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State")]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(self.listen)
+        if self.tls is not None:
+            port = server.add_secure_port(self.listen, self.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(self.listen)
         if port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await server.start()
@@ -249,7 +285,7 @@ class Daemon:
             req = sign(pb.LeaveRequest(self=self.me), "Leave", self.identity, self.run_id)
             peers = self.membership.alive(include_self=False)
             await asyncio.gather(
-                *(self.channels.membership(p.address).Leave(req, timeout=2) for p in peers), return_exceptions=True
+                *(self.channels.membership(p.address, p).Leave(req, timeout=2) for p in peers), return_exceptions=True
             )
         if self._server is not None:
             await self._server.stop(grace=1.0)
@@ -262,7 +298,12 @@ class Daemon:
         deadline = time.monotonic() + timeout
         last = "no bootstrap address given"
         while time.monotonic() < deadline:
-            for addr in self.bootstrap:
+            for spec in self.bootstrap:
+                try:
+                    addr = await self._bootstrap_address(spec)
+                except (OSError, TimeoutError, tls.TlsError) as exc:
+                    last = f"{spec}: {exc}"
+                    continue
                 req = sign(
                     pb.JoinRequest(self=self.me, run_spec_json=self.cfg.spec_json(), dialed_address=addr),
                     "Join",
@@ -286,12 +327,33 @@ class Daemon:
             await asyncio.sleep(0.5)
         raise JoinError(f"could not reach any bootstrap address within {timeout:.0f}s ({last})")
 
+    async def _bootstrap_address(self, spec: str) -> str:
+        """'PEERID@host:port' or 'host:port' -> the address to dial; with TLS, read and check the certificate there
+        first (pinned to PEERID, or trusted on first use) so the Join goes only to the peer it should."""
+        assert self.channels is not None
+        pinned, addr = tls.parse_bootstrap(spec)
+        if self.tls is None:
+            if pinned is not None:
+                log.warning("--insecure: cannot check that %s is peer %s", addr, pinned[:8])
+            return addr
+        cert = await tls.fetch_cert(addr, timeout=5.0)
+        pid = tls.verify_cert(cert)
+        if pinned is not None and pid != pinned:
+            raise JoinError(f"bootstrap {addr} is peer {pid}, not the expected {pinned}: refusing to join through it")
+        if pinned is None:
+            log.info(
+                "bootstrap %s is peer %s (trusted on first use; pin it with --bootstrap %s@%s)", addr, pid, pid, addr
+            )
+        self.channels.pin(addr, cert)
+        return addr
+
     async def _gossip_loop(self) -> None:
         assert self._stopping is not None
         interval = self.cfg.network.gossip_interval
         while not self._stopping.is_set():
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.membership.bump()
+            self._refresh_suspects()
             others = self.membership.alive(include_self=False)
             targets = random.sample(others, min(3, len(others)))
             if targets:
@@ -308,7 +370,7 @@ class Daemon:
         assert self.channels is not None
         req = sign(pb.GossipRequest(peers=self.membership.gossip_view()), "Gossip", self.identity, self.run_id)
         try:
-            resp = await self.channels.membership(peer.address).Gossip(
+            resp = await self.channels.membership(peer.address, peer).Gossip(
                 req, timeout=max(2.0, self.cfg.network.gossip_interval)
             )
         except grpc.aio.AioRpcError as exc:
@@ -329,27 +391,64 @@ class Daemon:
 
     # -- request checks ------------------------------------------------------------------------------------------
     async def verify(self, msg: Any, method: str, context: grpc.aio.ServicerContext) -> str:
+        """Check a request's envelope, admission and bans, then charge the verified sender's rate budget."""
         try:
-            return self.verifier.verify(method, msg)
+            sender = self.verifier.verify(method, msg)
+            self.limits.check_rate(f"key:{sender}")
+            return sender
         except AuthError as exc:
-            code = grpc.StatusCode.FAILED_PRECONDITION if exc.reason == "wrong_run" else grpc.StatusCode.UNAUTHENTICATED
-            await self.refuse(context, exc.reason, code, str(exc))
+            await self.refuse(
+                context, exc.reason, AUTH_CODES.get(exc.reason, grpc.StatusCode.UNAUTHENTICATED), str(exc)
+            )
+        except LimitExceeded as exc:
+            await self.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
 
     async def refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, msg: str) -> NoReturn:
         self.count_rejected(reason)
-        log.warning("refused a request (%s): %s", reason, msg)
+        shown, suppressed = self._refusal_log.allow(reason)
+        if shown:
+            more = f" ({suppressed} more refused for this reason were not logged)" if suppressed else ""
+            log.warning("refused a request (%s): %s%s", reason, msg, more)
         await context.abort(code, msg)
         raise AssertionError("unreachable")  # context.abort raises
 
     async def admit(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> None:
-        """Admission control hook: every mode but 'open' is enforced by peerd.security (a later layer)."""
-        if self.cfg.admission.mode != "open":
-            await self.refuse(
-                context,
-                "not_admitted",
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"admission mode {self.cfg.admission.mode!r} is not supported by this build",
-            )
+        """Admission control for a Join whose signature and run already checked out (peerd/admission.py). A refused
+        joiner gets the reason and nothing else: no peer list, no run state."""
+        try:
+            self._gate(request.auth)
+        except AuthError as exc:
+            await self.refuse(context, exc.reason, grpc.StatusCode.PERMISSION_DENIED, f"Join refused: {exc}")
+
+    def _gate(self, auth: pb.Auth) -> None:
+        """Verifier gate: may this key speak in this run at all? (bans first: they are the cheaper check)"""
+        pid = peer_id_of(auth.public_key)
+        if self.bans.is_banned(pid):
+            raise AuthError("banned", "banned: this peer sent invalid data repeatedly")
+        try:
+            self.admission.check(auth)
+        except AdmissionError as exc:
+            raise AuthError("not_admitted", str(exc)) from None
+
+    def _excluded(self, peer_id: str) -> bool:
+        """Left out of rounds and leader choice: banned by us, or reported banned by most of the swarm."""
+        return self.bans.is_banned(peer_id) or peer_id in self.gossip_suspects
+
+    def _refresh_suspects(self) -> None:
+        """Gossip our bans, and recompute whom a strict majority of live peers reports banned."""
+        banned = self.bans.banned()
+        if list(self.me.suspects) != banned:
+            del self.me.suspects[:]
+            self.me.suspects.extend(banned)
+        views = {e.info.peer_id: list(e.info.suspects) for e in self.membership.entries.values()
+                 if self.membership.is_alive(e.info.peer_id) or e.info.peer_id in self.gossip_suspects}  # fmt: skip
+        views[self.identity.peer_id] = banned
+        self.gossip_suspects = majority_suspects(views) - {self.identity.peer_id}
+
+    def invalid_contribution(self, peer_id: str, reason: str) -> None:
+        """A round found `peer_id`'s signed data invalid (too large, undecodable): count it and maybe ban."""
+        self.count_rejected(reason)
+        self.suspect(peer_id, reason)
 
     def count_rejected(self, reason: str) -> None:
         self.status.rejected_messages += 1
@@ -357,7 +456,22 @@ class Daemon:
             self.metrics.record_rejected(reason)
 
     def suspect(self, peer_id: str, reason: str) -> None:
+        """`peer_id` signed and sent invalid data. Offences it cannot deny (robust.STRIKE_REASONS) count towards a
+        ban; transport trouble does not."""
         log.warning("peer %s sent invalid data (%s)", peer_id[:8], reason)
+        if reason not in STRIKE_REASONS or peer_id == self.identity.peer_id:
+            return
+        self.status.rejected_contributions += 1
+        if self.bans.strike(peer_id):
+            log.warning(
+                "banned peer %s for %.0fs: it sent invalid data %d times; its requests are refused and its id is "
+                "gossiped as suspect",
+                peer_id[:8],
+                self.cfg.security.ban_seconds,
+                self.cfg.security.ban_after,
+            )
+            self.membership.mark_unreachable(peer_id)
+            self._refresh_suspects()
 
     def count_failure(self, reason: str) -> None:
         if self.metrics is not None:
@@ -373,18 +487,26 @@ class Daemon:
     # -- rendezvous and rounds -----------------------------------------------------------------------------------
     async def lead_rendezvous(self, request: pb.RendezvousRequest, info: pb.PeerInfo) -> pb.RendezvousResponse:
         assert self.leader is not None
-        if request.fragment < 0 and request.step > self.status.outer_step:
+        if request.fragment < 0 and self.status.outer_step < request.step <= self._plausible_step() + 1:
+            # Only a step the swarm could be at closes earlier groups: one peer claiming step 10**9 must not make
+            # every pending group resync (the median of live peers' gossiped steps cannot be moved by a minority).
             self.leader.on_ahead(request.step)
         leader = self.membership.settled()[0]
         if leader.peer_id < self.identity.peer_id:
             return pb.RendezvousResponse(redirect=leader)
         return await self.leader.join(request.step, request.fragment, request.attempt, info, list(request.suspects))
 
+    def _plausible_step(self) -> int:
+        steps = sorted(p.outer_step for p in self.membership.alive())
+        return steps[(len(steps) - 1) // 2] if steps else self.status.outer_step  # the lower median
+
     async def _rendezvous(self, step: int, fragment: int, attempt: int, suspects: set[str]) -> pb.RendezvousResponse:
         assert self.leader is not None and self.channels is not None
         tried = set(suspects)
         target: pb.PeerInfo | None = None
-        timeout = self.cfg.network.rendezvous_timeout + 10.0
+        # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
+        # here made members give up on a live leader, lead themselves and split the swarm.
+        timeout = 3 * self.cfg.network.rendezvous_timeout + 10.0
         for _ in range(16):
             if target is None:
                 candidates = [p for p in self.membership.settled() if p.peer_id not in tried]
@@ -398,7 +520,7 @@ class Daemon:
                 self.run_id,
             )
             try:
-                resp = await self.channels.rounds(target.address).Rendezvous(req, timeout=timeout)
+                resp = await self.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in UNREACHABLE:
                     raise RoundFailed(f"rendezvous refused by {target.peer_id[:8]}: {exc.details()}") from exc
@@ -432,6 +554,12 @@ class Daemon:
         self._round_events.pop(round_id, None)
         return self.rounds.get(round_id)
 
+    def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
+        """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
+        rnd = self.rounds.get(round_id)
+        if isinstance(rnd, ReduceRound) and peer_id in rnd.ids:
+            rnd.abort(RoundFailed(f"member {peer_id[:8]} is refused here ({reason})", {peer_id}, reason))
+
     def register_round(self, round_id: bytes, rnd: Any) -> None:
         assert self.loop is not None
         self.rounds[round_id] = rnd
@@ -442,7 +570,7 @@ class Daemon:
 
     def stub_for(self, member: pb.PeerInfo) -> Any:
         assert self.channels is not None
-        return self.channels.rounds(member.address)
+        return self.channels.rounds(member.address, member)
 
     def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
         """Average `vector` (1-D fp32, any device) with the peers ready for `step`. Raises Behind when the swarm has
@@ -477,8 +605,12 @@ class Daemon:
                 self.cfg.network.round_timeout,
                 self.cfg.network.chunk_bytes,
                 want_decoded,
+                guard=self.guard,
+                on_invalid=self.invalid_contribution,
             )
             self.register_round(group.round_id, rnd)
+            # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
+            # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
             try:
                 result = await rnd.run(self.stub_for, self.verifier)
             except RoundFailed as exc:
@@ -493,6 +625,10 @@ class Daemon:
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
             result.stats.seconds = time.perf_counter() - t0
+            # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
+            # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
+            assert self.loop is not None
+            self.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
             for m in group.members:  # they all finished `step` with us: do not wait for gossip to say so
                 info = self.membership.get(m.peer_id)
                 if info is not None and fragment < 0:
@@ -573,15 +709,20 @@ class Daemon:
         deadline = time.monotonic() + timeout
         errors: list[str] = []
         while time.monotonic() < deadline:
-            peers = sorted(
-                (p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step),
-                key=lambda p: -p.outer_step,
-            )
+            live = [p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step]
+            # Prefer the (step, digest) the most peers agree on, then the newest: one hostile peer gossiping a far
+            # step cannot make joiners download its state while honest peers agree on theirs.
+            votes: dict[tuple[int, bytes], int] = {}
+            for p in live:
+                votes[(p.outer_step, p.state_digest)] = votes.get((p.outer_step, p.state_digest), 0) + 1
+            peers = sorted(live, key=lambda p: (-votes[(p.outer_step, p.state_digest)], -p.outer_step))
             for p in peers:
                 req = sign(pb.StateRequest(min_step=min_step), "Download", self.identity, self.run_id)
-                call = self.channels.state(p.address).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
+                call = self.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
                 try:
                     snap = await read_state(call.__aiter__(), expected, p.public_key)
+                    if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
+                        raise StreamError("bad_digest", "served state does not match the digest it gossiped")
                 except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
                     errors.append(f"{p.peer_id[:8]}: {exc}")
                     if isinstance(exc, StreamError):
@@ -593,9 +734,11 @@ class Daemon:
         raise RoundFailed(f"no peer served state at step >= {min_step}: {errors[-3:]}")
 
     # -- status --------------------------------------------------------------------------------------------------
-    def status_message(self) -> pb.StatusResponse:
+    def status_message(self, redact: bool = False) -> pb.StatusResponse:
+        """This peer's view. `redact` (a caller not admitted to a non-open run) withholds every other peer's id and
+        address: the peer list, the live set and round membership."""
         s = self.status
-        return pb.StatusResponse(
+        msg = pb.StatusResponse(
             run_id=self.run_id.hex(),
             peer_id=self.identity.peer_id,
             address=self.me.address,
@@ -622,7 +765,17 @@ class Daemon:
             finished=s.finished,
             state=s.state,
             history=[pb.OuterStepRecord(**h) for h in list(s.history)[-16:]],
+            banned=self.bans.banned(),
+            rejected_contributions=s.rejected_contributions,
         )
+        if redact:
+            msg.redacted = True
+            for name in ("peers", "alive", "banned"):
+                msg.ClearField(name)
+            for rnd in [*([msg.last_round] if msg.HasField("last_round") else []), *msg.recent_rounds]:
+                rnd.ClearField("included")
+                rnd.ClearField("expected")
+        return msg
 
     # -- NoLoCo hooks (peerd.noloco installs `pairing`) -----------------------------------------------------------
     async def answer_match(self, request: pb.MatchRequest, sender: str) -> pb.MatchResponse:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -16,6 +18,18 @@ from peerd.identity import Identity, peer_id_of, verify
 
 DOMAIN = b"peerd.v1\x00"
 MAX_CLOCK_SKEW_S = 300.0
+
+# Admission proofs by signing key (peerd/admission.py). Every request and stream header is signed through `sign`,
+# including by modules that know nothing of admission, so the proof is attached here, in one place.
+_PROVERS: dict[bytes, Callable[[Any], bytes]] = {}
+
+
+def set_admission_prover(public_key: bytes, prover: Callable[[Any], bytes] | None) -> None:
+    """Make `sign` fill `auth.admission` with `prover(auth)` for messages signed by `public_key` (None: stop)."""
+    if prover is None:
+        _PROVERS.pop(public_key, None)
+    else:
+        _PROVERS[public_key] = prover
 
 
 class AuthError(ValueError):
@@ -44,7 +58,8 @@ def sign(msg: Message, method: str, identity: Identity, run_id: bytes, admission
     auth.public_key = identity.public_key
     auth.timestamp_ms = int(time.time() * 1000)
     auth.nonce = os.urandom(16)
-    auth.admission = admission
+    prover = None if admission else _PROVERS.get(identity.public_key)
+    auth.admission = prover(auth) if prover is not None else admission
     auth.signature = b""
     auth.signature = identity.sign(signed_bytes(method, msg))
     return msg
@@ -78,6 +93,9 @@ class Verifier:
         self.run_id = run_id
         self.max_skew_s = max_skew_s
         self.replay = ReplayGuard(max_skew_s)
+        # Admission and bans (set by the daemon): raises AuthError for a key that may not speak in this run. It runs
+        # before the signature check so a refused key costs no Ed25519 verification.
+        self.gate: Callable[[Any], None] | None = None
 
     def verify(self, method: str, msg: Message, *, check_run: bool = True) -> str:
         if not msg.HasField("auth"):
@@ -87,6 +105,8 @@ class Verifier:
             raise AuthError("malformed", f"{method}: malformed auth envelope")
         if check_run and auth.run_id != self.run_id:
             raise AuthError("wrong_run", f"{method}: request is for another run")
+        if check_run and self.gate is not None:
+            self.gate(auth)
         if not verify(auth.public_key, auth.signature, signed_bytes(method, msg)):
             raise AuthError("bad_signature", f"{method}: signature does not match the sender's key")
         now = time.time()

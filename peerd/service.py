@@ -16,6 +16,8 @@ from peerd.allreduce import RoundFailed
 from peerd.codecs import CodecError
 from peerd.config import spec_differences
 from peerd.envelope import AuthError
+from peerd.identity import peer_id_of
+from peerd.limits import LimitExceeded, paced
 from peerd.statesync import state_messages
 from peerd.streams import StreamError, verify_header
 from peerd.v1 import peerd_pb2 as pb
@@ -87,7 +89,16 @@ class MembershipService(rpc.MembershipServicer):
         return pb.LeaveResponse()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        return self.d.status_message()
+        """Open runs answer anyone. Other runs show the peer list only to a request signed by an admitted peer: a
+        refused client learns this peer's own counters, not who else is in the swarm."""
+        full = self.d.admission.open
+        if not full and request.HasField("auth"):
+            try:
+                self.d.verifier.verify("Status", request)
+                full = True
+            except AuthError as exc:
+                self.d.count_rejected(exc.reason)
+        return self.d.status_message(redact=not full)
 
 
 class RoundsService(rpc.RoundsServicer):
@@ -108,23 +119,35 @@ class RoundsService(rpc.RoundsServicer):
     async def Reduce(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TensorMessage]:
-        it = request_iterator.__aiter__()
+        # Every message must arrive within read_timeout (slow-loris); limits are charged to the verified sender.
+        it = paced(request_iterator, self.d.limits.read_timeout).__aiter__()
         rnd = None
+        verified: str | None = None
+        first: pb.TensorMessage | None = None
         try:
             first = await it.__anext__()
             if first.WhichOneof("part") != "header":
                 raise StreamError("malformed", "Reduce: stream must start with a header")
-            sender = verify_header(self.d.verifier, first.header)
-            rnd = await self.d.wait_round(first.header.round_id)
-            if rnd is None:
-                raise StreamError("unknown_round", "Reduce: no such round here")
-            async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
-                yield msg
+            verified = sender = verify_header(self.d.verifier, first.header)
+            key = f"key:{sender}"
+            self.d.limits.check_rate(key)
+            with self.d.limits.stream(key), self.d.limits.inflight(key, first.header.wire_bytes):
+                rnd = await self.d.wait_round(first.header.round_id)
+                if rnd is None:
+                    raise StreamError("unknown_round", "Reduce: no such round here")
+                async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
+                    yield msg
         except StopAsyncIteration:
             await self.d.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
+        except LimitExceeded as exc:
+            await self.d.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
-            sender = getattr(exc, "sender", None)
+            sender = getattr(exc, "sender", None) or (verified if reason == "timeout" else None)
+            if reason in ("banned", "not_admitted"):
+                if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now
+                    self.d.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
+                await self.d.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
             if rnd is not None and sender is not None and sender in rnd.ids:
                 rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
                 self.d.suspect(sender, reason)
@@ -141,13 +164,16 @@ class RoundsService(rpc.RoundsServicer):
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TensorMessage]:
+        # Exchange streams may pause while the pair waits on each other, but never longer than the exchange itself.
+        limit = self.d.cfg.network.round_timeout + 5.0
+        bounded = paced(request_iterator, limit, first_timeout=limit)
         try:
-            async for msg in self.d.serve_exchange(request_iterator):
+            async for msg in self.d.serve_exchange(bounded):
                 yield msg
         except (StreamError, CodecError) as exc:
-            await self.d.refuse(
-                context, getattr(exc, "reason", "malformed"), grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}"
-            )
+            reason = getattr(exc, "reason", "malformed")
+            code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
+            await self.d.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"exchange failed: {exc}")
 

@@ -112,7 +112,10 @@ class Swarm:
         metrics: bool = False,
         wait_peers: bool = True,
         extra_args: list[str] | None = None,
+        secure: bool = False,
     ) -> None:
+        """`secure` runs peers with TLS (no --insecure), as `peerd start` does by default."""
+        self.secure = secure
         self.tmp_path = tmp_path
         self.n = n
         self.config = config or tiny_config(tmp_path)
@@ -136,7 +139,7 @@ class Swarm:
         cmd = [
             sys.executable, "-m", "peerd", "start", "--config", str(config or self.config),
             "--listen", "127.0.0.1:0", "--data-dir", str(data), "--shard", str(index), "--threads", "1",
-            "--insecure", *self.extra_args, *(extra or []),
+            *([] if self.secure else ["--insecure"]), *self.extra_args, *(extra or []),
         ]  # fmt: skip
         if wait_peers > 1:
             cmd += ["--wait-peers", str(wait_peers)]

@@ -78,7 +78,7 @@ class MembershipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """read-only, unauthenticated: what `peerd status` shows
+        """read-only: what `peerd status` shows (see StatusRequest)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,188 @@
+"""Poisoning defence: contributions are checked before they are averaged, averaged robustly if the run asks, and
+peers that keep sending invalid data are banned.
+
+Only a shard's owner sees the contributions to its shard, so the owner judges them: each contribution's norm is
+compared with a reference the owner trusts: its *own* pseudo-gradient for that shard (now, and its recent history)
+and, with three or more contributions, their lower median (which a minority cannot raise, and which keeps an owner
+whose own update happens to be tiny from refusing honest peers). An offender makes the owner abort the round, before
+any average leaves it, naming the offender as suspect; the members retry without it, so every shard of the final
+average covers the same peers (a round is never silently partial).
+
+Members check the averaged shards the owners send back against the lower median of all shards' norms. Every member
+receives the same bytes from every owner that is honest with it, so every member reaches the same verdict: a
+poisoning owner fails the round for all, never for some (which would split the swarm's global state). A two-peer
+round has no median to compare with; there each side relies on its own check as owner.
+
+Aggregation (``[robust] aggregation``) is computed by the owner alone and sent as encoded bytes that every member
+decodes, so a robust statistic costs no extra agreement: ``mean``, coordinate-wise ``trimmed_mean``, or
+``clipped_mean`` (each contribution's norm clipped to a multiple of the median norm).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import torch
+
+from peerd.config import RobustSection
+
+# Invalid data a peer signed and sent: these count towards a ban. Transport trouble (truncated streams, timeouts)
+# and envelope failures (a bad signature may be someone else's forgery) never do: they cannot be pinned on the key.
+STRIKE_REASONS = frozenset(
+    {"nan", "malformed", "oversized", "wrong_shape", "wrong_codec", "duplicate", "not_member", "too_large"}
+)
+HISTORY = 8  # own recent norms kept per fragment
+
+
+class ContributionRejected(ValueError):
+    """Contributions refused by the owner's checks; `offenders` are their members' indices in the round."""
+
+    def __init__(self, offenders: list[int], message: str) -> None:
+        super().__init__(message)
+        self.offenders = offenders
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower of the two middle values: with n >= 3, a minority of outliers on either side cannot move it past
+    an honest value."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def rms(t: torch.Tensor) -> float:
+    """Root-mean-square: a norm that does not depend on how many elements a shard happens to have."""
+    return float(torch.linalg.vector_norm(t.float())) / math.sqrt(t.numel()) if t.numel() else 0.0
+
+
+class ContributionGuard:
+    """One daemon's checks and aggregation rule, plus its own recent pseudo-gradient norms (per fragment)."""
+
+    def __init__(self, cfg: RobustSection) -> None:
+        self.aggregation = cfg.aggregation
+        self.max_norm_ratio = cfg.max_norm_ratio
+        self.trim_fraction = cfg.trim_fraction
+        self.clip_ratio = cfg.clip_ratio
+        self._own: dict[int, deque[float]] = {}
+
+    def reference(self, fragment: int, own_rms: float) -> float:
+        """The scale contributions are judged against: our own now, or our recent median if that is larger (our
+        own pseudo-gradient may be small this round, which must not make honest peers' look hostile)."""
+        hist = self._own.get(fragment)
+        past = statistics.median(hist) if hist else 0.0
+        return max(own_rms, past)
+
+    def record_own(self, fragment: int, own_rms: float) -> None:
+        if math.isfinite(own_rms) and own_rms > 0:
+            self._own.setdefault(fragment, deque(maxlen=HISTORY)).append(own_rms)
+
+    def too_large(self, value_rms: float, reference: float) -> bool:
+        if self.max_norm_ratio <= 0 or reference <= 0:
+            return False  # off, or nothing to judge by: the aggregation rule is the only defence left
+        return not math.isfinite(value_rms) or value_rms > self.max_norm_ratio * reference
+
+    def screen(self, fragment: int, me: int, contribs: Sequence[torch.Tensor]) -> None:
+        """Raise ContributionRejected naming every contribution whose norm is out of bounds; records our own."""
+        own = rms(contribs[me])
+        norms = [rms(c) for c in contribs]
+        ref = max(self.reference(fragment, own), lower_median(norms) if len(norms) >= 3 else 0.0)
+        self.record_own(fragment, own)
+        bad = [i for i, n in enumerate(norms) if i != me and self.too_large(n, ref)]
+        if bad:
+            worst = max(norms[i] for i in bad)
+            raise ContributionRejected(
+                bad, f"contribution norm {worst:.3g} exceeds {self.max_norm_ratio:g} x this owner's {ref:.3g}"
+            )
+
+    def screen_replies(self, me: int, replies: Sequence[torch.Tensor]) -> list[int]:
+        """Member side: indices of averaged shards (other owners' only) far above the lower median of all of them.
+        Depends only on the bytes every member received alike, so all members agree."""
+        if len(replies) < 3:
+            return []
+        norms = [rms(r) for r in replies]
+        ref = lower_median(norms)
+        return [j for j, n in enumerate(norms) if j != me and self.too_large(n, ref)]
+
+    def aggregate(self, contribs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Deterministic fp32 aggregate in member order."""
+        n = len(contribs)
+        if self.aggregation == "trimmed_mean" and n >= 3:
+            k = min(max(1, int(n * self.trim_fraction)), (n - 1) // 2)
+            ordered, _ = torch.sort(torch.stack(list(contribs)), dim=0)
+            return ordered[k : n - k].mean(dim=0)
+        if self.aggregation == "clipped_mean":
+            norms = [float(torch.linalg.vector_norm(c)) for c in contribs]
+            bound = self.clip_ratio * statistics.median(norms)
+            acc = torch.zeros_like(contribs[0])
+            for c, norm in zip(contribs, norms, strict=True):
+                acc += c * (bound / norm) if norm > bound > 0 else c
+            return acc / n
+        acc = contribs[0].clone()
+        for c in contribs[1:]:
+            acc += c
+        return acc / n
+
+
+class BanList:
+    """Strikes per peer within a window; `ban_after` strikes ban the peer for `ban_seconds` (local bookkeeping)."""
+
+    def __init__(self, ban_after: int, window_s: float, ban_s: float, max_peers: int = 4096) -> None:
+        self.ban_after = ban_after
+        self.window_s = window_s
+        self.ban_s = ban_s
+        self.max_peers = max_peers
+        self._strikes: OrderedDict[str, deque[float]] = OrderedDict()
+        self._until: dict[str, float] = {}
+
+    def strike(self, peer_id: str, now: float | None = None) -> bool:
+        """Count one invalid message from `peer_id`; True when this strike got it banned."""
+        now = time.monotonic() if now is None else now
+        if self.is_banned(peer_id, now):
+            return False
+        hits = self._strikes.setdefault(peer_id, deque())
+        self._strikes.move_to_end(peer_id)
+        hits.append(now)
+        while hits and hits[0] < now - self.window_s:
+            hits.popleft()
+        while len(self._strikes) > self.max_peers:
+            self._strikes.popitem(last=False)
+        if len(hits) >= self.ban_after:
+            self._until[peer_id] = now + self.ban_s
+            del self._strikes[peer_id]
+            return True
+        return False
+
+    def is_banned(self, peer_id: str, now: float | None = None) -> bool:
+        until = self._until.get(peer_id)
+        if until is None:
+            return False
+        if (time.monotonic() if now is None else now) < until:
+            return True
+        del self._until[peer_id]
+        return False
+
+    def banned(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return sorted(p for p in list(self._until) if self.is_banned(p, now))
+
+
+def majority_suspects(views: dict[str, Sequence[str]]) -> set[str]:
+    """Peers that a strict majority of the *other* peers in `views` (peer id -> the ids it banned) report.
+
+    Gossip alone never bans anyone: this only keeps such peers out of round groups and leader choice. One hostile
+    peer (or any minority) naming an honest one cannot reach a majority, so it cannot exclude it.
+    """
+    named: dict[str, int] = {}
+    for voter, accused in views.items():
+        for pid in set(accused):
+            if pid != voter:
+                named[pid] = named.get(pid, 0) + 1
+    out = set()
+    for pid, votes in named.items():
+        voters = len(views) - (1 if pid in views else 0)
+        if voters > 0 and 2 * votes > voters:
+            out.add(pid)
+    return out
