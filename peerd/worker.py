@@ -271,6 +271,8 @@ class Worker:
             "rounds_failed": st.rounds_failed,
             "solo_steps": st.solo_steps,
             "rejected_messages": st.rejected_messages,
+            "rejected_contributions": st.rejected_contributions,
+            "banned": self.daemon.bans.banned(),
             "round_seconds": [r.seconds for r in st.recent_rounds],
             "rounds": [
                 {
