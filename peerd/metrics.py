@@ -63,6 +63,13 @@ REJECT_REASONS = (
     "rate_limited",
     "banned",
     "unknown_peer",
+    "not_admitted",
+    "unsigned",
+    "forged",
+    "stale",
+    "truncated",
+    "timeout",
+    "too_large",
     "other",
 )
 ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
