@@ -696,6 +696,20 @@ class Daemon:
         self.loop.call_soon_threadsafe(apply)
         self.status.outer_step = snapshot.step
 
+    def state_agrees(self, step: int) -> bool:
+        """False when the live peers at `step` mostly gossip a different state digest than ours (a forked round:
+        e.g. two leaders during a membership change). The digest most peers report is canonical, ties broken by the
+        lowest peer id holding it, so every peer reaches the same verdict from the same gossip."""
+        mine = bytes(self.me.state_digest)
+        if self.me.outer_step != step or not mine:
+            return True
+        holders: dict[bytes, list[str]] = {mine: [self.identity.peer_id]}
+        for p in self.membership.alive(include_self=False):
+            if p.outer_step == step and p.state_digest:
+                holders.setdefault(bytes(p.state_digest), []).append(p.peer_id)
+        canonical = min(holders, key=lambda d: (-len(holders[d]), min(holders[d])))
+        return canonical == mine
+
     def swarm_step(self) -> int:
         """The newest outer step any live peer reports."""
         return max((p.outer_step for p in self.membership.alive(include_self=False)), default=-1)

@@ -39,6 +39,11 @@ class DiLoCo(OuterAlgorithm):
         if (t + 1) % self.H:
             return False
         step = worker.outer_step
+        if not worker.daemon.state_agrees(step):
+            log.warning("our global state at step %d differs from most peers': downloading theirs", step)
+            if worker.resync(step):
+                worker.publish()
+            return False
         local = worker.layout.flatten(worker.model).detach().float()
         pseudo = self.global_params.to(local.device, non_blocking=True) - local
         if self.feedback is not None:
