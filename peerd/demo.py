@@ -86,7 +86,7 @@ def start_peer(
     data.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "peerd", "start", "--config", str(config), "--listen", "127.0.0.1:0",
-        "--data-dir", str(data), "--shard", str(index), "--threads", "1", "--insecure",
+        "--data-dir", str(data), "--shard", str(index), "--threads", "1",
         "--wait-peers", str(wait_peers), *(extra or []),
     ]  # fmt: skip
     if bootstrap:
