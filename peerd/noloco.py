@@ -1,0 +1,253 @@
+"""NoLoCo (Kolehmainen et al. 2025, arXiv 2506.10911): no global all-reduce; each outer step a peer averages with one
+randomly chosen partner (or a small group), so a round costs the same in a swarm of 4 or 400, and nobody waits on the
+slowest peer.
+
+With phi the slow weights (as of the last outer step), theta the fast weights after H inner steps, delta = theta - phi
+and m the outer momentum, peer i in group G takes
+
+    m_i   <- alpha * m_i + beta * mean_G(delta) + gamma * (mean_G(phi) - phi_i)
+    phi_i <- phi_i + m_i ;  theta_i <- phi_i
+
+The inner optimizer's state is kept as it is. Peers' slow weights differ (that is the point); the gamma term keeps
+them close, and `peerd demo` reports how close ("spread").
+
+What goes on the wire: each member sends delta (an update: small and well spread, it quantizes like DiLoCo's
+pseudo-gradient) and its slow weights as ``phi - phi_ref``, where ``phi_ref`` are the initial weights, which every
+peer builds bit-identically from the run seed. The group term needs ``phi_j - phi_i``, which is tiny next to the
+weights (1-2% of ``|phi|`` in our runs), and blockwise codecs err in proportion to each block's largest value; the
+drift from initialisation has a smaller range than the weights, so it quantizes with less error. On the benchmark's
+final slow weights (bench/convergence.py prints this) that cut the codec's error on ``phi_j - phi_i`` by 1.4-1.7x
+for bf16, int8, fp8 and int4 (int8: 42% -> 25% of the gap). With 8-bit and 4-bit codecs the gamma term is thus
+noisy; the noise averages out over steps (NoLoCo with int4 still matched DiLoCo with int4, at twice the spread of
+fp32). Our own terms never go through the codec: only partners' contributions are decoded, and everything is
+averaged in fp32. Peers need not agree bit for bit in NoLoCo, so the two partners do not have to see identical
+numbers.
+
+With ``noloco.send_ahead``, phi for the next outer step is known as soon as the last one ends, so the peer pairs
+and streams its slow weights right then, overlapping the transfer with its inner steps; at the boundary only delta
+is still to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from peerd.algorithm import OuterAlgorithm
+from peerd.allreduce import RoundResult
+from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
+from peerd.v1 import peerd_pb2 as pb
+from trainer.outer import noloco_step
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+    from peerd.worker import Worker
+
+log = logging.getLogger("peerd")
+
+
+def group_means(
+    contributions: Mapping[str, Mapping[str, torch.Tensor]], own_id: str, phi: torch.Tensor, phi_ref: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's mean delta and mean slow weights, in fp32, summed in peer-id order.
+
+    `contributions` maps each included peer to {"pair": delta, "phi": phi - phi_ref}; ours is exact, partners' are
+    decoded. Our own slow weights enter as `phi` itself, so a peer alone gets exactly (delta, phi) back and its
+    gamma term is exactly zero.
+    """
+    if own_id not in contributions:
+        raise ValueError("our own contribution is missing from the group")
+    delta_sum = torch.zeros_like(phi)
+    phi_sum = torch.zeros_like(phi)
+    for pid in sorted(contributions):
+        c = contributions[pid]
+        delta_sum += c["pair"]
+        phi_sum += phi if pid == own_id else phi_ref + c["phi"]
+    n = float(len(contributions))
+    return delta_sum / n, phi_sum / n
+
+
+def noloco_update(
+    phi: torch.Tensor,
+    momentum: torch.Tensor,
+    phi_ref: torch.Tensor,
+    contributions: Mapping[str, Mapping[str, torch.Tensor]],
+    own_id: str,
+    *,
+    alpha: float,
+    beta: float,
+    gamma: float,
+) -> torch.Tensor:
+    """One NoLoCo outer step from an exchange's contributions, in place on `phi` and `momentum`; returns the
+    group's mean delta."""
+    delta_mean, phi_mean = group_means(contributions, own_id, phi, phi_ref)
+    noloco_step(phi, momentum, delta_mean, phi_mean, alpha=alpha, beta=beta, gamma=gamma)
+    return delta_mean
+
+
+async def _live_steps(daemon: Daemon) -> list[int]:
+    """Outer steps of the other live peers (read on the daemon loop, which owns the membership table)."""
+    return [p.outer_step for p in daemon.membership.alive(include_self=False)]
+
+
+def pair_session(daemon: Daemon, numel: int) -> Pairing:
+    """The pairing endpoint for this daemon, configured from its run config."""
+    cfg = daemon.cfg
+    settings = PairSettings(
+        group_size=cfg.noloco.group_size,
+        max_staleness=cfg.noloco.max_staleness,
+        match_timeout=cfg.network.match_timeout,
+        exchange_timeout=cfg.network.round_timeout,
+        chunk_bytes=cfg.network.chunk_bytes,
+        send_ahead=cfg.noloco.send_ahead,
+    )
+    return Pairing(
+        identity=daemon.identity,
+        run_id=daemon.run_id,
+        verifier=daemon.verifier,
+        codec=daemon.codec,
+        executor=daemon.executor,
+        numel=numel,
+        settings=settings,
+        transport=GrpcTransport(lambda: daemon.channels),
+        candidates=lambda: daemon.membership.alive(include_self=False),
+        lookup=daemon.membership.get,
+        me=lambda: daemon.me,
+        on_rejected=daemon.count_rejected,
+        on_unreachable=daemon.membership.mark_unreachable,
+    )
+
+
+class NoLoCo(OuterAlgorithm):
+    name = "noloco"
+
+    def __init__(self, worker: Worker) -> None:
+        cfg = worker.cfg
+        self.H = cfg.inner.steps
+        self.alpha = cfg.noloco.alpha
+        self.beta = cfg.noloco.beta
+        self.gamma = cfg.noloco.gamma
+        self.max_staleness = cfg.noloco.max_staleness
+        self.send_ahead = cfg.noloco.send_ahead
+        self.phi = worker.layout.flatten(worker.model).detach().float().cpu().clone()
+        self.phi_ref = self.phi.clone()  # the seeded initial weights: the same on every peer
+        self.momentum = torch.zeros_like(self.phi)
+        self.daemon = worker.daemon
+        self.pairing = pair_session(worker.daemon, self.phi.numel())
+        worker.daemon.pairing = self.pairing
+        self._step_s = math.nan  # moving average of one inner step's duration
+        self._last_tick: float | None = None
+        self._ahead_step: int | None = None
+
+    # -- the outer step ------------------------------------------------------------------------------------------
+    def after_inner_step(self, worker: Worker, t: int) -> bool:
+        self._time_inner_step(t)
+        done = (t + 1) % self.H
+        if done:
+            eta = (self.H - done) * self._step_s if math.isfinite(self._step_s) else math.inf
+            self.pairing.progress(worker.outer_step, eta, self.H * self._step_s)
+            if self.send_ahead and self._ahead_step != worker.outer_step:
+                self._start_ahead(worker.outer_step)  # first phase, or after a resync/resume
+            return False
+        step = worker.outer_step
+        if self._must_resync(step):
+            worker.resync(self.daemon.swarm_step())
+            self._last_tick = None
+            return True
+        theta = worker.layout.flatten(worker.model).detach().float().cpu()
+        tensors = {"phi": self.phi - self.phi_ref, "pair": theta - self.phi}
+        t0 = time.perf_counter()
+        outcome: PairOutcome = self.daemon.call(self.pairing.run_round(step, tensors))
+        worker.add_idle(time.perf_counter() - t0)
+        delta_mean = self.apply(outcome)
+        worker.layout.unflatten_into(self.phi, worker.model)
+        worker.outer_step = step + 1
+        worker.last_result = self._record(outcome, delta_mean)
+        last = worker.cfg.run.outer_steps
+        if self.send_ahead and not (last and step + 1 >= last):  # no partner to promise a step we will not take
+            self._start_ahead(step + 1)
+        self._last_tick = None
+        return True
+
+    def apply(self, outcome: PairOutcome) -> torch.Tensor:
+        """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta."""
+        return noloco_update(
+            self.phi,
+            self.momentum,
+            self.phi_ref,
+            outcome.contributions,
+            self.pairing.my_id,
+            alpha=self.alpha,
+            beta=self.beta,
+            gamma=self.gamma,
+        )
+
+    def _time_inner_step(self, t: int) -> None:
+        """Estimate an inner step's duration (for the pairing's readiness estimate); the first step of a phase also
+        timed evaluation and checkpointing, so it is not counted."""
+        now = time.perf_counter()
+        if self._last_tick is not None and t % self.H:
+            dt = now - self._last_tick
+            self._step_s = dt if math.isnan(self._step_s) else 0.8 * self._step_s + 0.2 * dt
+        self._last_tick = now
+
+    def _must_resync(self, step: int) -> bool:
+        """True when every live peer is more than max_staleness steps ahead: nobody can pair with us any more."""
+        steps = self.daemon.call(_live_steps(self.daemon))
+        if not steps or max(steps) <= step or any(abs(s - step) <= self.max_staleness for s in steps):
+            return False
+        log.warning(
+            "every live peer is more than %d outer steps ahead of %d: downloading state", self.max_staleness, step
+        )
+        return True
+
+    def _start_ahead(self, step: int) -> None:
+        self._ahead_step = step
+        phi = self.phi - self.phi_ref  # a fresh tensor: the stream reads it while we train
+        assert self.daemon.loop is not None
+        asyncio.run_coroutine_threadsafe(self.pairing.start_ahead(step, phi), self.daemon.loop)
+
+    def _record(self, outcome: PairOutcome, delta_mean: torch.Tensor) -> RoundResult:
+        """Status, logs and metrics for one outer step; `included`/`note` name the partner(s)."""
+        d = self.daemon
+        group = pb.Group(
+            round_id=outcome.round_id,
+            step=outcome.step,
+            members=outcome.members,
+            expected=outcome.expected,
+            fragment=-1,
+            leader=outcome.members[0].peer_id,
+        )
+        result = RoundResult(delta_mean, group, outcome.included, outcome.stats)
+        d.record_round(group, result, -1, note=outcome.note, rendezvous_s=outcome.match_seconds)
+        if outcome.solo:
+            d.status.solo_steps += 1
+            log.info("outer step %d: no partner within %.1fs; stepped alone", outcome.step, outcome.match_seconds)
+        elif outcome.lost:
+            log.warning("outer step %d: %s; stepped without the lost contribution", outcome.step, outcome.note)
+            if d.metrics is not None:
+                d.metrics.record_failure("peer_lost")
+        else:
+            log.info("outer step %d: averaged with %s", outcome.step, outcome.note)
+        return result
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"params": self.phi.clone(), "outer_momentum": self.momentum.clone()}
+
+    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+        self.phi = tensors["params"].float().clone()
+        self.momentum = tensors["outer_momentum"].float().clone()
+        worker.layout.unflatten_into(self.phi, worker.model)
+        self._ahead_step = None
+
+    def close(self) -> None:
+        loop = self.daemon.loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.pairing.close(), loop).result(10)

@@ -1,0 +1,206 @@
+"""NoLoCo (peerd/noloco.py): the averaging + update path checked against numbers worked out by hand, then real
+swarms of `peerd start` processes: four peers train with random partners, and a peer that dies in the middle of an
+exchange (fault injection, not a mock) does not stop its partner's step. Also the every-step all-reduce baseline
+(peerd/ddp.py) that the convergence benchmark compares NoLoCo against."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerd.demo import global_params, max_param_diff
+from peerd.noloco import group_means, noloco_update
+from peerd.pairing import FAULT_ENV, PairSettings
+from tests.promtools import http_get
+from tests.swarm import Swarm, tiny_config
+from tests.test_pairing import Net
+
+T = torch.tensor
+
+
+# -- the update, by hand ------------------------------------------------------------------------------------------
+PHI_REF = T([0.5, 0.5, 0.5, 0.5])
+PHI_A, THETA_A, M_A = T([1.0, 2.0, -1.0, 0.0]), T([1.5, 1.0, -1.0, 0.25]), T([0.1, 0.0, -0.2, 0.4])
+PHI_B, THETA_B, M_B = T([2.0, 2.0, 0.0, -1.0]), T([2.0, 3.0, 0.5, -1.5]), T([0.0, 0.0, 0.0, 0.0])
+# alpha = 0.5, beta = gamma = 0.7 (the defaults). Both peers: mean delta = [0.25, 0, 0.25, -0.125].
+# A: mean phi - phi_A = [0.5, 0, 0.5, -0.5]
+#    m_A = 0.5*[0.1, 0, -0.2, 0.4] + 0.7*[0.25, 0, 0.25, -0.125] + 0.7*[0.5, 0, 0.5, -0.5] = [0.575, 0, 0.425, -0.2375]
+# B: mean phi - phi_B = [-0.5, 0, -0.5, 0.5]
+#    m_B = 0 + [0.175, 0, 0.175, -0.0875] + [-0.35, 0, -0.35, 0.35] = [-0.175, 0, -0.175, 0.2625]
+WANT_M_A, WANT_PHI_A = T([0.575, 0.0, 0.425, -0.2375]), T([1.575, 2.0, -0.575, -0.2375])
+WANT_M_B, WANT_PHI_B = T([-0.175, 0.0, -0.175, 0.2625]), T([1.825, 2.0, -0.175, -0.7375])
+
+
+def test_two_peers_exchange_and_update_by_hand() -> None:
+    """Two real Pairing endpoints exchange (phi - phi_ref, delta) through the codec layer, then each applies the
+    NoLoCo step: the results match the numbers worked out above."""
+
+    async def main() -> None:
+        net = Net()
+        a, b = net.add(PairSettings(match_timeout=3.0), 4), net.add(PairSettings(match_timeout=3.0), 4)
+        oa, ob = await asyncio.gather(
+            a.run_round(0, {"phi": PHI_A - PHI_REF, "pair": THETA_A - PHI_A}),
+            b.run_round(0, {"phi": PHI_B - PHI_REF, "pair": THETA_B - PHI_B}),
+        )
+        for p, out, phi, m, want_phi, want_m in (
+            (a, oa, PHI_A.clone(), M_A.clone(), WANT_PHI_A, WANT_M_A),
+            (b, ob, PHI_B.clone(), M_B.clone(), WANT_PHI_B, WANT_M_B),
+        ):
+            assert sorted(out.included) == sorted([a.my_id, b.my_id])
+            mean_delta = noloco_update(phi, m, PHI_REF, out.contributions, p.my_id, alpha=0.5, beta=0.7, gamma=0.7)
+            assert torch.allclose(mean_delta, T([0.25, 0.0, 0.25, -0.125]), atol=1e-7)
+            assert torch.allclose(m, want_m, atol=1e-6), m
+            assert torch.allclose(phi, want_phi, atol=1e-6), phi
+        # the pair pulled its slow weights together: they were 2.45 apart (L2), now 0.9 apart
+        assert float((WANT_PHI_A - WANT_PHI_B).norm()) < float((PHI_A - PHI_B).norm())
+
+    asyncio.run(main())
+
+
+def test_alone_the_gamma_term_is_exactly_zero() -> None:
+    phi, m = PHI_A.clone(), M_A.clone()
+    contributions = {"me": {"phi": PHI_A - PHI_REF, "pair": THETA_A - PHI_A}}
+    delta_mean, phi_mean = group_means(contributions, "me", PHI_A, PHI_REF)
+    assert torch.equal(delta_mean, THETA_A - PHI_A) and torch.equal(phi_mean, PHI_A)
+    noloco_update(phi, m, PHI_REF, contributions, "me", alpha=0.5, beta=0.7, gamma=0.7)
+    # m = 0.5*[0.1, 0, -0.2, 0.4] + 0.7*[0.5, -1, 0, 0.25] = [0.4, -0.7, -0.1, 0.375]
+    assert torch.allclose(m, T([0.4, -0.7, -0.1, 0.375]), atol=1e-7)
+    assert torch.allclose(phi, T([1.4, 1.3, -1.1, 0.375]), atol=1e-7)
+
+
+def test_group_means_refuse_a_group_without_us() -> None:
+    with pytest.raises(ValueError):
+        group_means({"other": {"phi": PHI_A, "pair": PHI_A}}, "me", PHI_A, PHI_REF)
+
+
+# -- real swarms --------------------------------------------------------------------------------------------------
+def _noloco_config(tmp_path: Path, **overrides: object) -> Path:
+    return tiny_config(tmp_path, run__algorithm="noloco", **overrides)
+
+
+@pytest.mark.slow
+def test_four_peers_pair_randomly_and_converge(tmp_path: Path) -> None:
+    swarm = Swarm(tmp_path, 4, _noloco_config(tmp_path, run__outer_steps=12))
+    last: dict[int, object] = {}
+    with swarm:
+        # visibility: `peerd status` names each peer's partner in its last round (a peer that started late and
+        # downloaded the swarm's state has no round yet at first)
+        swarm.wait_until(lambda: swarm.peers[0].status().last_round.note != "", 120, "a round on peer 0")
+        st = swarm.peers[0].status()
+        assert st.algorithm == "noloco"
+        assert st.last_round.note.startswith(("partner ", "no partner")), st.last_round
+        if st.last_round.note.startswith("partner "):
+            assert len(st.last_round.included) == 2 and st.peer_id in st.last_round.included
+
+        def poll() -> bool:
+            for p in swarm.peers:
+                if p.proc.poll() is None:
+                    last[p.index] = p.status()
+            return all(p.proc.poll() is not None for p in swarm.peers)
+
+        swarm.wait_until(poll, 300, "all peers to finish")
+        swarm.wait_exit(30)
+    dirs = [p.data_dir for p in swarm.peers]
+    ids = {p.index: p.summary()["peer_id"] for p in swarm.peers}
+    firsts, lasts = [], []
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 12 and s["finished"], s
+        hist = s["history"]  # a peer that started late downloaded state first: its history starts later
+        assert hist[-1]["loss"] < hist[0]["loss"], hist
+        assert hist[-1]["eval_loss"] < hist[0]["eval_loss"], hist
+        firsts.append((hist[0]["outer_step"], hist[0]["eval_loss"]))
+        lasts.append(hist[-1]["eval_loss"])
+        assert s["solo_steps"] <= 4, s  # paired on most steps
+    assert sum(lasts) / len(lasts) < min(firsts)[1] - 0.5, (firsts, lasts)
+    # partners vary from step to step, and each peer's recent rounds name real members of the swarm
+    for index, st in last.items():
+        seen = set()
+        for r in st.recent_rounds:
+            assert r.algorithm == "noloco"
+            assert ids[index] in r.included and len(set(r.included)) == len(r.included)
+            seen |= set(r.included) - {ids[index]}
+        assert seen <= set(ids.values()) - {ids[index]}
+        assert len(seen) >= 2, f"peer {index} only ever met {seen}"
+    # slow weights differ between peers, but the pull towards partners keeps them close
+    diff, spread = max_param_diff(dirs)
+    assert diff > 0  # not an all-reduce: peers are not identical
+    assert spread < 0.1, spread
+    params = [global_params(d) for d in dirs]
+    for a, b in itertools.combinations(params, 2):
+        assert a is not None and b is not None
+        assert not torch.equal(a["outer_momentum"], b["outer_momentum"])
+
+
+@pytest.mark.slow
+def test_partner_dies_mid_exchange_and_the_survivor_steps_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _noloco_config(tmp_path, run__outer_steps=4, network__chunk_bytes=16384)
+    swarm = Swarm(tmp_path, 2, config, metrics=True)
+    survivor = swarm.spawn(0, None, wait_peers=2)
+    swarm.peers.append(survivor)
+    # A tiny model's fp32 tensor is about 30 chunks of 16 KiB; at step 0 phi - phi_ref is all zeros (one chunk).
+    # So 45 chunks end the victim inside the slow weights it sends in its second exchange.
+    monkeypatch.setenv(FAULT_ENV, "45")
+    victim = swarm.spawn(1, survivor.address, wait_peers=2)
+    monkeypatch.delenv(FAULT_ENV)
+    swarm.peers.append(victim)
+    try:
+        assert victim.wait(240) == 17, victim.log_tail()  # the fault injector's exit code
+        assert "fault injection: exiting after sending 45 exchange chunks" in victim.log()
+        metrics_url = f"http://{survivor.metrics_address}/metrics"
+        swarm.wait_until(
+            lambda: re.search(r'peerd_failures_total\{reason="peer_lost"\} [1-9]', http_get(metrics_url)[2].decode()),
+            120,
+            "the survivor to count the lost partner",
+        )
+        assert survivor.wait(240) == 0, survivor.log_tail()
+    finally:
+        swarm.stop()
+    s = survivor.summary()
+    assert s["outer_step"] == 4 and s["finished"]
+    assert s["rounds_partial"] >= 1, s  # the step with the dead partner: recorded, not silently complete
+    assert s["solo_steps"] >= 1, s  # afterwards nobody is left to pair with
+    log = survivor.log()
+    assert re.search(r"outer step \d+: partner [0-9a-f]{8}; lost [0-9a-f]{8}", log), log[-3000:]
+    assert "PARTIAL round" in log
+
+
+@pytest.mark.slow
+def test_send_ahead_swarm_pairs_at_the_start_of_each_phase(tmp_path: Path) -> None:
+    config = _noloco_config(tmp_path, run__outer_steps=5, noloco__send_ahead=True, inner__steps=20)
+    swarm = Swarm(tmp_path, 2, config)
+    with swarm:
+        swarm.wait_exit(240)
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 5 and s["finished"], s
+        assert s["rounds_partial"] == 0, s  # nobody promised a partner a step it did not take
+        paired = [r for r in s["rounds"] if r["note"].startswith("partner ")]
+        assert len(paired) >= 3, s["rounds"]
+        assert s["history"][-1]["loss"] < s["history"][0]["loss"]
+
+
+# -- the every-step all-reduce baseline ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ddp_baseline_keeps_peers_identical(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, run__algorithm="ddp", run__outer_steps=15)
+    swarm = Swarm(tmp_path, 2, config)
+    with swarm:
+        swarm.wait_exit(240)
+    dirs = [p.data_dir for p in swarm.peers]
+    a, b = (global_params(d) for d in dirs)
+    assert a is not None and b is not None
+    assert torch.equal(a["params"], b["params"])  # same start, same averaged gradient bytes every step
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 15 and s["inner_step"] == 15  # one round per inner step
+        hist = s["history"]
+        assert [h["outer_step"] for h in hist] == [5, 10, 15]  # evaluated every inner.steps
+        assert hist[-1]["loss"] < hist[0]["loss"], hist
+        assert len(s["round_seconds"]) == 15
+        assert s["rounds_partial"] == 0
