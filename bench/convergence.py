@@ -81,7 +81,8 @@ class RunSpec:
             "run": {"name": "bench", "algorithm": self.algorithm, "outer_steps": self.outer_steps, "seed": self.seed},
             "model": {"preset": self.preset, "seq_len": self.seq_len},
             "data": {"batch_size": self.batch_size, "eval_batches": 2},
-            "inner": {"steps": self.H, "warmup_steps": min(20, self.inner_steps // 4)},
+            # Every algorithm anneals the inner lr over the same budget, as a real run of this length would.
+            "inner": {"steps": self.H, "warmup_steps": min(20, self.inner_steps // 4), "total_steps": self.inner_steps},
             "codec": {"name": self.codec},
             "network": dict(NETWORK),
             "checkpoint": {"every": 0},

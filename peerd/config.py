@@ -64,6 +64,7 @@ class InnerSection:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    total_steps: int = 0  # >0: cosine decay of the inner lr to 10% at this inner step; 0: constant after warmup
 
 
 @dataclass
@@ -323,6 +324,7 @@ lr = 1e-3
 warmup_steps = 20
 weight_decay = 0.1
 grad_clip = 1.0
+total_steps = 0           # >0: cosine-decay the inner lr to 10% by this inner step (part of the spec); 0: constant
 
 [outer]                   # DiLoCo / Streaming DiLoCo outer Nesterov SGD
 lr = 0.7

@@ -136,6 +136,7 @@ class Daemon:
         sec = cfg.security
         self.bans = BanList(sec.ban_after, sec.ban_window, sec.ban_seconds)
         self.guard = ContributionGuard(cfg.robust)
+        self.guard.compare_shards = cfg.run.algorithm != "ddp"
         self.limits = PeerLimits.from_config(sec)
         self._refusal_log = LogThrottle()
         self.gossip_suspects: set[str] = set()  # reported banned by a majority of live peers (robust.py)

@@ -67,6 +67,10 @@ class ContributionGuard:
         self.trim_fraction = cfg.trim_fraction
         self.clip_ratio = cfg.clip_ratio
         self._own: dict[int, deque[float]] = {}
+        # Comparing different shards' averages assumes every part of the vector has a similar scale: true of
+        # pseudo-gradients (Adam normalises each coordinate's steps), false of raw gradients (ddp), whose scale
+        # differs by layer; the owner-side check compares like with like and stays on.
+        self.compare_shards = True
 
     def reference(self, fragment: int, own_rms: float) -> float:
         """The scale contributions are judged against: our own now, or our recent median if that is larger (our
@@ -100,7 +104,7 @@ class ContributionGuard:
     def screen_replies(self, me: int, replies: Sequence[torch.Tensor]) -> list[int]:
         """Member side: indices of averaged shards (other owners' only) far above the lower median of all of them.
         Depends only on the bytes every member received alike, so all members agree."""
-        if len(replies) < 3:
+        if len(replies) < 3 or not self.compare_shards:
             return []
         norms = [rms(r) for r in replies]
         ref = lower_median(norms)

@@ -118,14 +118,14 @@ class Worker:
         # Batches depend on the run seed and the shard only, so two runs with the same seeds see the same data.
         seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.shard}".encode()).hexdigest()[:8], 16)
         self.gen = torch.Generator().manual_seed(seed)
-        # Warmup, then a constant inner lr: the schedule must not depend on run.outer_steps, which is local (peers
-        # may stop at different times), and a decay to ~0 at the end would leave the outer momentum to overshoot.
+        # The schedule comes from the spec (inner.total_steps), never from run.outer_steps, which is local: peers may
+        # stop at different times but must all follow one schedule. Default: constant after warmup.
         self.opt, self.sched = make_inner_optimizer(
             self.model,
             lr=cfg.inner.lr,
             weight_decay=cfg.inner.weight_decay,
             warmup_steps=cfg.inner.warmup_steps,
-            total_steps=None,
+            total_steps=cfg.inner.total_steps or None,
         )
         self.inner_step = 0
         self.outer_step = 0
