@@ -3,7 +3,6 @@ delayed exchange under both late-exchange policies)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -15,7 +14,6 @@ import torch
 
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
-from peerd.demo import global_params
 from peerd.identity import Identity
 from peerd.streaming import (
     FAULT_DELAY_ENV,
@@ -29,6 +27,7 @@ from peerd.streaming import (
 )
 from peerd.worker import Worker, build_run_model
 from tests.swarm import Swarm, tiny_config
+from tests.test_swarm_diloco import assert_identical_globals
 from trainer.flat import ParamLayout
 from trainer.fragments import fragment_offsets
 from trainer.inner import make_inner_optimizer
@@ -296,14 +295,6 @@ def test_bench_outer_step_timing_and_config() -> None:
 # -- real swarms ---------------------------------------------------------------------------------------------
 def stats_of(data_dir: Path) -> dict[str, Any]:
     return json.loads((data_dir / STATS_FILE).read_text())
-
-
-def assert_identical_globals(dirs: list[Path]) -> None:
-    states = [global_params(d) for d in dirs]
-    assert all(s is not None for s in states)
-    for a, b in itertools.combinations(states, 2):
-        assert torch.equal(a["params"], b["params"]), float((a["params"] - b["params"]).abs().max())
-        assert torch.equal(a["outer_momentum"], b["outer_momentum"])
 
 
 def assert_same_digest_after_every_sync(dirs: list[Path]) -> int:
