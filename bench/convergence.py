@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from peerd.config import RunConfig
-from peerd.demo import _parse_value, global_params, max_param_diff, to_toml
+from peerd.demo import _parse_value, global_params, max_param_diff, stop_processes, to_toml
 
 REPO = Path(__file__).resolve().parent.parent
 NETWORK = {  # loopback and 2 cores shared by up to 8 peers: generous timeouts, quick gossip
@@ -185,14 +185,7 @@ def run_swarm(spec: RunSpec, workdir: Path, timeout: float, eval_batches: int) -
                     raise TimeoutError(f"{spec.label}: swarm did not finish within {timeout:.0f}s (see {workdir})")
                 time.sleep(0.5)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs)
     seconds = time.monotonic() - t0
     return _collect(spec, workdir, seconds, eval_batches)
 

@@ -95,6 +95,18 @@ def start_peer(
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """SIGTERM every peer still running (they checkpoint and leave), then SIGKILL any that outlive the grace."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def global_params(data_dir: Path) -> dict[str, torch.Tensor] | None:
     state = load_checkpoint(data_dir / "checkpoint.pt")
     return None if state is None else state["global"]
@@ -135,14 +147,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ]
         _follow(procs, addresses, args, [workdir / f"peer{i}" for i in range(args.peers)])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     dirs = [workdir / f"peer{i}" for i in range(args.peers)]
     summaries = [_read_json(d / "summary.json") for d in dirs]

@@ -268,17 +268,23 @@ class _LimitInterceptor(grpc.aio.ServerInterceptor):
         code = grpc.StatusCode.INVALID_ARGUMENT if reason == "malformed" else grpc.StatusCode.RESOURCE_EXHAUSTED
         await context.abort(code, message)
 
+    async def _hold_stream_slots(
+        self, request: Any, context: grpc.aio.ServicerContext, stack: contextlib.ExitStack
+    ) -> None:
+        """Admit the call, then hold one concurrent-call slot per key it is charged to until `stack` closes."""
+        keys = await self._admit(request, context)
+        try:
+            for key, factor in keys:
+                stack.enter_context(self.limits.stream(key, 4 * factor))
+        except LimitExceeded as exc:
+            await self._refuse(context, str(exc))
+
     def _unary(self, behavior: Callable[..., Awaitable[Any]], streamed: bool = False) -> Callable[..., Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if streamed:
                 request = _checked(request)
-            keys = await self._admit(request, context)
             with contextlib.ExitStack() as stack:
-                try:
-                    for key, factor in keys:
-                        stack.enter_context(self.limits.stream(key, 4 * factor))
-                except LimitExceeded as exc:
-                    await self._refuse(context, str(exc))
+                await self._hold_stream_slots(request, context, stack)
                 return await behavior(request, context)
 
         return wrapped
@@ -289,13 +295,8 @@ class _LimitInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if streamed:
                 request = _checked(request)
-            keys = await self._admit(request, context)
             with contextlib.ExitStack() as stack:
-                try:
-                    for key, factor in keys:
-                        stack.enter_context(self.limits.stream(key, 4 * factor))
-                except LimitExceeded as exc:
-                    await self._refuse(context, str(exc))
+                await self._hold_stream_slots(request, context, stack)
                 async for item in behavior(request, context):
                     yield item
 
