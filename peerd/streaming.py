@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from peerd.algorithm import OuterAlgorithm
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
+from peerd.statesync import tensor_bytes
 from trainer.flat import ParamLayout
 from trainer.fragments import due_fragments, fragment_offsets, split_fragments
 from trainer.outer import NesterovOuter, OuterError, pseudo_gradient, streaming_merge
@@ -130,8 +131,7 @@ class Schedule:
 
 def fragment_digest(t: Tensor) -> str:
     """Short content hash of a CPU fp32 fragment, logged per sync so peers' copies can be compared."""
-    data = t.detach().to("cpu", torch.float32).contiguous().numpy()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return hashlib.blake2b(tensor_bytes(t.detach().to("cpu", torch.float32)), digest_size=16).hexdigest()
 
 
 class FragmentState:
