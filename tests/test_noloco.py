@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from peerd.config import RunConfig
 from peerd.demo import global_params, max_param_diff
 from peerd.noloco import group_means, noloco_update
 from peerd.pairing import FAULT_ENV, PairSettings
+from peerd.worker import build_run_model
 from tests.promtools import http_get
 from tests.swarm import Swarm, tiny_config
 from tests.test_pairing import Net
@@ -127,11 +129,16 @@ def test_four_peers_pair_randomly_and_converge(tmp_path: Path) -> None:
             seen |= set(r.included) - {ids[index]}
         assert seen <= set(ids.values()) - {ids[index]}
         assert len(seen) >= 2, f"peer {index} only ever met {seen}"
-    # slow weights differ between peers, but the pull towards partners keeps them close
-    diff, spread = max_param_diff(dirs)
+    # slow weights differ between peers, but the pull towards partners keeps them close: measured against how far
+    # each moved from the shared init (a local run here: pairs 0.05-0.10 of that; under CI's load, with more solo
+    # steps, up to about 0.17), not against a fixed number that depends on how busy the machine was
+    diff, _ = max_param_diff(dirs)
     assert diff > 0  # not an all-reduce: peers are not identical
-    assert spread < 0.1, spread
     params = [global_params(d) for d in dirs]
+    init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
+    travelled = min(float((g["params"] - init).norm()) for g in params if g is not None)
+    apart = max(float((a["params"] - b["params"]).norm()) for a, b in itertools.combinations(params, 2) if a and b)
+    assert apart < 0.3 * travelled, (apart, travelled)
     for a, b in itertools.combinations(params, 2):
         assert a is not None and b is not None
         assert not torch.equal(a["outer_momentum"], b["outer_momentum"])
