@@ -24,10 +24,11 @@ import torch
 
 from peerd import faults
 from peerd.codecs import Codec, CodecError, make_codec
-from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
+from peerd.codecs.base import check_input, finite_or_raise
+from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, SealedFrame, parse_header, seal_frame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
-from peerd.robust import ContributionGuard, ContributionRejected
+from peerd.robust import ContributionGuard, ContributionRejected, mean_of
 from peerd.streams import StreamError, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 
@@ -113,7 +114,12 @@ class ReduceRound:
         self.deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
         self.contrib: list[torch.Tensor | None] = [None] * self.n
-        self.reduced: asyncio.Future[tuple[bytes, torch.Tensor]] = loop.create_future()
+        # Contributions decoded into fresh memory may be summed into in place; ours may be the caller's vector.
+        self.private = [True] * self.n
+        self.reduced: asyncio.Future[tuple[SealedFrame, torch.Tensor]] = loop.create_future()
+        # Filled shard by shard as each average is known (allocated with our own encoding, which always comes
+        # before any average: our shard's needs our contribution, the others' replies need our sends).
+        self.average: torch.Tensor | None = None
         self.stats = RoundStats()
         self._deadline_handle = loop.call_later(timeout_s, self._on_deadline)
 
@@ -146,7 +152,14 @@ class ReduceRound:
         loop = asyncio.get_running_loop()
         decoded = await loop.run_in_executor(self.executor, self.codec.decode, payload, numel)
         self.stats.received_wire_bytes += len(payload)
+        await self._accept(index, decoded)
+
+    async def _accept(self, index: int, decoded: torch.Tensor) -> None:
+        """Take one member's decoded contribution to our shard; the last one to arrive triggers the reduction."""
+        if self.contrib[index] is not None:
+            raise StreamError("duplicate", f"{self.ids[index][:8]} already contributed to this round")
         self.contrib[index] = decoded
+        loop = asyncio.get_running_loop()
         if all(c is not None for c in self.contrib) and not self.reduced.done():
             try:
                 encoded, avg = await loop.run_in_executor(self.executor, self._reduce)
@@ -164,20 +177,20 @@ class ReduceRound:
         if self.on_invalid is not None:
             self.on_invalid(peer_id, reason)
 
-    def _reduce(self) -> tuple[bytes, torch.Tensor]:
-        """Average in fp32 in member order, encode once, and decode our own bytes so we match every other member.
-        With a guard, contributions are screened first (ContributionRejected) and the run's aggregation rule used."""
+    def _reduce(self) -> tuple[SealedFrame, torch.Tensor]:
+        """Average in fp32 in member order, encode once, and decode our own bytes so we match every other member
+        (a lossless codec's bytes decode to the average itself, so it is used as is). With a guard, contributions
+        are screened first (ContributionRejected) and the run's aggregation rule used."""
+        contribs = [c for c in self.contrib if c is not None]
         if self.guard is not None:
-            contribs = [c for c in self.contrib if c is not None]
             self.guard.screen(self.group.fragment, self.me, contribs)
-            acc = self.guard.aggregate(contribs)
+            acc = self.guard.aggregate(contribs, self.private)
         else:
-            acc = self.contrib[0].clone()  # type: ignore[union-attr]
-            for c in self.contrib[1:]:
-                acc += c  # type: ignore[operator]
-            acc /= self.n
-        encoded = self.codec.encode(acc)
-        return encoded, self.codec.decode(encoded, acc.numel())
+            acc = mean_of(contribs, self.private)
+        encoded = self.codec.encode_frame(acc)
+        own = acc if self.codec.lossless else self.codec.decode(bytes(encoded), acc.numel())
+        self._place(self.me, own)
+        return encoded, own
 
     async def serve(
         self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str
@@ -224,8 +237,7 @@ class ReduceRound:
         loop = asyncio.get_running_loop()
         try:
             payloads = await loop.run_in_executor(self.executor, self._encode_all)
-            own = payloads[self.me]
-            await self.add_contribution_own(own)
+            await self._add_own(payloads[self.me])
             tasks = {
                 j: asyncio.ensure_future(self._exchange(j, payloads[j], stub_for, verifier))
                 for j in range(self.n)
@@ -262,13 +274,21 @@ class ReduceRound:
                 names = sorted(self.ids[j][:8] for j in bad)
                 raise RoundFailed(f"averaged shards from {names} are far larger than the others'",
                                   {self.ids[j] for j in bad}, "rejected")  # fmt: skip
-        average = torch.empty(self.vector.numel(), dtype=torch.float32)
-        for j, (lo, hi) in enumerate(self.bounds):
-            average[lo:hi] = results[j]
+        assert self.average is not None  # every shard was placed by whoever produced it
         self.stats.seconds = time.perf_counter() - t0
-        return RoundResult(average, self.group, list(self.ids), self.stats, self.sent_decoded)
+        return RoundResult(self.average, self.group, list(self.ids), self.stats, self.sent_decoded)
 
-    def _encode_all(self) -> list[bytes]:
+    def _place(self, j: int, shard: torch.Tensor) -> None:
+        """Copy averaged shard j into the result as soon as it is known (in the executor, overlapping the waits
+        for the other shards) rather than assembling all of them at the end."""
+        assert self.average is not None
+        lo, hi = self.bounds[j]
+        self.average[lo:hi] = shard
+
+    def _encode_all(self) -> list[bytes | SealedFrame | torch.Tensor]:
+        """One frame per other member; for ourselves a frame, or with a lossless codec our part of the vector itself
+        (encoding it only to decode it again would cost two copies of the shard)."""
+        self.average = torch.empty(self.vector.numel(), dtype=torch.float32)
         parts = [self.vector[lo:hi] for lo, hi in self.bounds]
         bad = [faults.poisoned(part) for part in parts]  # a test-only injector: each part itself unless enabled
         if any(b is not part for b, part in zip(bad, parts, strict=True)):
@@ -276,18 +296,32 @@ class ReduceRound:
             if not bool(torch.isfinite(bad[self.me]).all()):
                 bad[self.me] = parts[self.me]  # a NaN frame would not decode for us either
             return [_forge_frame(self.codec, b.contiguous()) for b in bad]
-        payloads = [self.codec.encode(self.vector[lo:hi].contiguous()) for lo, hi in self.bounds]
-        self.sent_decoded = None
-        if self.want_decoded:
+        self.sent_decoded = self.vector.detach().float().cpu() if self.codec.lossless and self.want_decoded else None
+        out: list[bytes | SealedFrame | torch.Tensor] = []
+        for j, part in enumerate(parts):
+            if j == self.me and self.codec.lossless:
+                own = check_input(part.cpu())
+                finite_or_raise(own, "input tensor")  # the refusal encoding it would have made
+                out.append(own)
+            else:
+                frame = self.codec.encode_frame(part.contiguous())
+                out.append(frame if j == self.me else faults.corrupt(frame))
+        if self.want_decoded and not self.codec.lossless:
             self.sent_decoded = torch.cat(
-                [self.codec.decode(p, hi - lo) for p, (lo, hi) in zip(payloads, self.bounds, strict=True)]
+                [self.codec.decode(bytes(f), hi - lo) for f, (lo, hi) in zip(out, self.bounds, strict=True)]
             )
-        return [p if j == self.me else faults.corrupt(p) for j, p in enumerate(payloads)]
+        return out
 
-    async def add_contribution_own(self, payload: bytes) -> None:
-        await self.add_contribution(self.identity.peer_id, payload)
+    async def _add_own(self, payload: bytes | SealedFrame | torch.Tensor) -> None:
+        if isinstance(payload, torch.Tensor):
+            self.private[self.me] = False  # the caller's memory: never summed into
+            await self._accept(self.me, payload)
+        else:
+            await self.add_contribution(self.identity.peer_id, bytes(payload))
 
-    async def _exchange(self, j: int, payload: bytes, stub_for: StubFor, verifier: Verifier) -> torch.Tensor:
+    async def _exchange(
+        self, j: int, payload: bytes | SealedFrame, stub_for: StubFor, verifier: Verifier
+    ) -> torch.Tensor:
         member = self.group.members[j]
         header = pb.TensorHeader(
             round_id=self.group.round_id, shard=j, numel=self.shard_numel(j), codec=self.codec.name, kind="reduce"
@@ -324,10 +358,15 @@ class ReduceRound:
         self.stats.received_wire_bytes += len(rx.payload)
         loop = asyncio.get_running_loop()
         try:
-            reply = await loop.run_in_executor(self.executor, self.codec.decode, rx.payload, self.shard_numel(j))
+            reply = await loop.run_in_executor(self.executor, self._decode_reply, j, rx.payload)
         except CodecError as exc:
             self._invalid(member.peer_id, "nan" if "NaN" in str(exc) else "malformed")
             raise RoundFailed(f"{member.peer_id[:8]} sent an undecodable average: {exc}", {member.peer_id}) from exc
+        return reply
+
+    def _decode_reply(self, j: int, payload: bytearray) -> torch.Tensor:
+        reply = self.codec.decode(payload, self.shard_numel(j))
+        self._place(j, reply)
         return reply
 
     def _as_failure(self, exc: BaseException, tasks: dict[int, asyncio.Future]) -> RoundFailed:

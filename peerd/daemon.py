@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import math
 import random
@@ -170,6 +171,9 @@ class Daemon:
             self.call(self._join(join_timeout))
         self.call(self._start_background())
         self.status.state = "training"
+        # Everything alive now (torch, grpc, the model) lives as long as the daemon: keep it out of the cyclic GC's
+        # scans, which otherwise walk it again and again while a round allocates thousands of small objects.
+        gc.freeze()
 
     def _run_loop(self, ready: threading.Event) -> None:
         self.loop = asyncio.new_event_loop()

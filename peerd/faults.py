@@ -7,8 +7,12 @@ normal run. Keep every injector here, so a reader sees in one place how a daemon
 from __future__ import annotations
 
 import os
+from collections.abc import Sized
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T", bound=Sized)
 
 
 def _env(name: str) -> str:
@@ -20,11 +24,11 @@ def _env(name: str) -> str:
 CORRUPT_PAYLOADS = _env("PEERD_FAULT_CORRUPT_PAYLOADS") == "1"
 
 
-def corrupt(payload: bytes) -> bytes:
-    """Flip a few bytes in the middle of an encoded frame."""
+def corrupt(payload: T) -> T | bytes:
+    """Flip a few bytes in the middle of an encoded frame (bytes, or a codec's SealedFrame); unchanged unless on."""
     if not CORRUPT_PAYLOADS or len(payload) < 64:
         return payload
-    buf = bytearray(payload)
+    buf = bytearray(bytes(payload))
     mid = len(buf) // 2
     for i in range(mid, mid + 8):
         buf[i] ^= 0xFF

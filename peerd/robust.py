@@ -110,8 +110,9 @@ class ContributionGuard:
         ref = lower_median(norms)
         return [j for j, n in enumerate(norms) if j != me and self.too_large(n, ref)]
 
-    def aggregate(self, contribs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Deterministic fp32 aggregate in member order."""
+    def aggregate(self, contribs: Sequence[torch.Tensor], private: Sequence[bool] | None = None) -> torch.Tensor:
+        """Deterministic fp32 aggregate in member order. `private[i]` says contribution i's memory is ours to
+        overwrite (the plain mean then sums in place)."""
         n = len(contribs)
         if self.aggregation == "trimmed_mean" and n >= 3:
             k = min(max(1, int(n * self.trim_fraction)), (n - 1) // 2)
@@ -124,10 +125,23 @@ class ContributionGuard:
             for c, norm in zip(contribs, norms, strict=True):
                 acc += c * (bound / norm) if norm > bound > 0 else c
             return acc / n
-        acc = contribs[0].clone()
-        for c in contribs[1:]:
-            acc += c
-        return acc / n
+        return mean_of(contribs, private or [False] * n)
+
+
+def mean_of(contribs: Sequence[torch.Tensor], private: Sequence[bool]) -> torch.Tensor:
+    """Sum in member order, then divide. The sum goes into a contribution's own memory where that one may be
+    overwritten (a 20 MB shard's fresh allocation costs more than the sum on small machines); since x0 + x1 is
+    bit-identical to x1 + x0, either of the first two can hold it."""
+    n = len(contribs)
+    if private[0]:
+        acc, rest = contribs[0], contribs[1:]
+    elif n > 1 and private[1]:
+        acc, rest = contribs[1].add_(contribs[0]), contribs[2:]
+    else:
+        acc, rest = contribs[0].clone(), contribs[1:]
+    for c in rest:
+        acc += c
+    return acc.div_(n)
 
 
 class BanList:

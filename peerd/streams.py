@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
+from peerd.codecs.frame import SealedFrame
 from peerd.envelope import AuthError, Verifier, sign
 from peerd.identity import Identity, verify
 from peerd.v1 import peerd_pb2 as pb
@@ -36,23 +37,24 @@ class ReceivedTensor:
     payload: bytearray
 
 
-def _digest(header_sig: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.sha256(header_sig)
-    h.update(payload)
-    return h.digest()
-
-
 def tensor_messages(
-    header: pb.TensorHeader, payload: bytes, identity: Identity, run_id: bytes, chunk_bytes: int = MAX_CHUNK
+    header: pb.TensorHeader,
+    payload: bytes | bytearray | SealedFrame,
+    identity: Identity,
+    run_id: bytes,
+    chunk_bytes: int = MAX_CHUNK,
 ) -> Iterator[pb.TensorMessage]:
-    """Yield the messages that carry `payload` (already encoded by a codec) under a signed header."""
-    header.wire_bytes = len(payload)
+    """Yield the messages that carry `payload` (already encoded by a codec) under a signed header. A SealedFrame is
+    streamed from its parts, never joined into one buffer."""
+    frame = payload if isinstance(payload, SealedFrame) else SealedFrame((b"", payload, b""))
+    header.wire_bytes = len(frame)
     sign(header, HEADER_METHOD, identity, run_id)
     yield pb.TensorMessage(header=header)
-    view = memoryview(payload)
-    for off in range(0, len(payload), chunk_bytes):
-        yield pb.TensorMessage(chunk=bytes(view[off : off + chunk_bytes]))
-    digest = _digest(header.auth.signature, payload)
+    h = hashlib.sha256(header.auth.signature)
+    for chunk in frame.chunks(chunk_bytes):
+        h.update(chunk)
+        yield pb.TensorMessage(chunk=chunk)
+    digest = h.digest()
     yield pb.TensorMessage(trailer=pb.TensorTrailer(digest=digest, signature=identity.sign(digest)))
 
 

@@ -227,6 +227,21 @@ def test_decoded_tensor_is_independent_of_the_frame() -> None:
     assert y.tolist() == [float(i + 1) for i in range(8)]
 
 
+@given(n=st.integers(0, 3000), chunk=st.integers(1, 700), zstd=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_sealed_frame_streams_the_same_bytes_in_chunks(n: int, chunk: int, zstd: bool) -> None:
+    """A frame sent from its parts (header, body in the tensor's memory, trailer) carries exactly encode()'s bytes,
+    cut at `chunk` whatever the part boundaries."""
+    codec = make_codec("fp32", zstd=zstd)
+    x = torch.arange(n, dtype=torch.float32) % 7
+    frame = codec.encode_frame(x)
+    whole = codec.encode(x)
+    assert bytes(frame) == whole and len(frame) == len(whole)
+    pieces = list(frame.chunks(chunk))
+    assert b"".join(pieces) == whole
+    assert all(len(p) == chunk for p in pieces[:-1]) and 0 < len(pieces[-1]) <= chunk
+
+
 def test_header_describes_the_frame() -> None:
     x = torch.randn(1000)
     codec = make_codec("int4", block_size=64, zstd=False)

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from peerd.config import RobustSection
 from peerd.identity import Identity
-from peerd.robust import BanList, ContributionGuard, ContributionRejected, majority_suspects, rms
+from peerd.robust import BanList, ContributionGuard, ContributionRejected, majority_suspects, mean_of, rms
 from tests.swarm import Swarm, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 
@@ -84,6 +84,23 @@ def test_robust_aggregations() -> None:
     two = ContributionGuard(RobustSection(aggregation="trimmed_mean")).aggregate(contribs[:2])
     assert torch.equal(two, (contribs[0] + contribs[1]) / 2)  # nothing to trim with two
     assert rms(torch.ones(16)) == 1.0
+
+
+@pytest.mark.parametrize("private", [[False, False, False], [True, False, True], [False, True, True], [True] * 3])
+def test_in_place_mean_is_bit_identical_and_spares_shared_memory(private: list[bool]) -> None:
+    """The owner sums into a contribution's own memory when it may; the bits must not depend on which one, and a
+    contribution that is not ours to overwrite (the caller's vector) must come out untouched."""
+    gen = torch.Generator().manual_seed(5)
+    contribs = [torch.randn(1000, generator=gen) * 10.0 ** (i - 1) for i in range(3)]
+    want = ((contribs[0] + contribs[1]) + contribs[2]) / 3
+    copies = [c.clone() for c in contribs]
+    got = mean_of(copies, private)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for c, orig, mine in zip(copies, contribs, private, strict=True):
+        if not mine:
+            assert torch.equal(c, orig)
+    if private[0] or private[1]:  # no fresh 4 B/value allocation: the sum lives in one of the first two
+        assert got.data_ptr() in {c.data_ptr() for c, mine in zip(copies[:2], private[:2], strict=True) if mine}
 
 
 def test_bans_need_repeated_offences_within_the_window_and_expire() -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from peerd.codecs.compression import check_level, compress_if_pays, decompress_exact
 from peerd.codecs.errors import CodecError
-from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, open_frame, seal_frame
+from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, SealedFrame, open_frame, seal_parts
 
 MAX_NUMEL = 1 << 40
 """Largest tensor a frame may describe (4 TiB of float32): a sanity bound on sizes, far above any fragment."""
@@ -69,6 +69,8 @@ class Codec(ABC):
 
     name: str
     codec_id: int
+    lossless: bool = False
+    """True when ``decode(encode(x))`` is bit-identical to ``x``: a round may then use ``x`` itself."""
 
     def __init__(self, *, zstd_level: int = 3, zstd: bool = True) -> None:
         self.zstd_level = check_level(zstd_level)
@@ -96,6 +98,11 @@ class Codec(ABC):
 
         Raises CodecError for a tensor that is not 1-D float32 or holds NaN/Inf.
         """
+        return bytes(self.encode_frame(x))
+
+    def encode_frame(self, x: Tensor) -> SealedFrame:
+        """`encode` without the final join: the frame's parts, the body possibly sharing ``x``'s memory (fp32 on the
+        CPU), so ``x`` must not change until the frame is sent."""
         x = check_input(x)
         numel = x.numel()
         scales_len, payload_len = self.body_layout(numel)
@@ -113,9 +120,9 @@ class Codec(ABC):
             payload_len=payload_len,
             stored_len=len(packed) if packed is not None else len(raw),
         )
-        frame = seal_frame(header, packed if packed is not None else raw)
-        del raw, body  # the view borrowed body's memory; release it only now
-        return frame
+        if packed is not None:
+            return seal_parts(header, packed)
+        return seal_parts(header, raw, owner=body)  # the view borrows body's memory: the frame keeps body alive
 
     def decode(
         self, data: bytes | bytearray | memoryview, expected_numel: int, device: str | torch.device = "cpu"

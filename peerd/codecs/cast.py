@@ -17,6 +17,7 @@ class Fp32Codec(Codec):
     """Lossless: the body is the tensor's float32 bytes (little-endian)."""
 
     name, codec_id = "fp32", 1
+    lossless = True
 
     def body_layout(self, numel: int) -> tuple[int, int]:
         return 0, 4 * numel

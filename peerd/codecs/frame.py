@@ -29,6 +29,7 @@ from __future__ import annotations
 import struct
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from peerd.codecs.errors import CodecError
@@ -174,8 +175,48 @@ def open_frame(
     return header, body
 
 
-def seal_frame(header: FrameHeader, body: memoryview | bytes) -> bytes:
-    """Join header, stored body and CRC trailer into one frame (one copy of the body)."""
+class SealedFrame:
+    """A frame as its three parts (header, body, CRC trailer), so a sender can stream a large body straight from
+    the memory it was encoded in: joining them would copy the body once more, which costs tens of milliseconds for
+    a 40 MB fp32 shard on the small machines peers run on. `owner` keeps the body's memory alive."""
+
+    __slots__ = ("owner", "parts")
+
+    def __init__(self, parts: tuple[bytes, memoryview | bytes, bytes], owner: object = None) -> None:
+        self.parts = parts
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        """The frame's bytes in pieces of at most `size`, each a fresh `bytes` (what a protobuf field takes)."""
+        pending: list[memoryview] = []
+        room = size
+        for part in self.parts:
+            view = memoryview(part)
+            while len(view):
+                take = view[:room]
+                pending.append(take)
+                view = view[len(take) :]
+                room -= len(take)
+                if room == 0:
+                    yield pending[0].tobytes() if len(pending) == 1 else b"".join(pending)
+                    pending, room = [], size
+        if pending:
+            yield b"".join(pending)
+
+
+def seal_parts(header: FrameHeader, body: memoryview | bytes, owner: object = None) -> SealedFrame:
+    """Header, stored body and CRC trailer without joining them; `owner` is whatever keeps `body` valid."""
     head = header.pack()
     crc = zlib.crc32(body, zlib.crc32(head))
-    return b"".join((head, body, _TRAILER.pack(crc)))
+    return SealedFrame((head, body, _TRAILER.pack(crc)), owner)
+
+
+def seal_frame(header: FrameHeader, body: memoryview | bytes) -> bytes:
+    """Join header, stored body and CRC trailer into one frame (one copy of the body)."""
+    return bytes(seal_parts(header, body))
