@@ -34,12 +34,32 @@ from peerd.v1 import peerd_pb2 as pb
 
 
 class RoundFailed(RuntimeError):
-    """The round could not complete. `suspects` are peers that seem to be at fault (unreachable, silent)."""
+    """The round could not complete. `suspects` are peers that seem to be at fault (unreachable, silent). With
+    reason "aborted" they are another member's word, not something we saw: worth skipping in the retry, not
+    worth marking unreachable."""
 
     def __init__(self, message: str, suspects: set[str] | None = None, reason: str = "aborted") -> None:
         super().__init__(message)
         self.suspects = suspects or set()
         self.reason = reason
+
+
+SUSPECTS_KEY = "peerd-suspects"
+"""Trailing metadata of an aborted Reduce stream: whom the owner blames. Without it, a member whose round an owner
+aborted retried with the offender again, while the rest of the group retried without it: two groups, one step."""
+
+
+def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
+    return ((SUSPECTS_KEY, ",".join(sorted(exc.suspects))),) if exc.suspects else ()
+
+
+def relayed_suspects(metadata: object, allowed: set[str]) -> set[str]:
+    """The suspects an aborting owner named, limited to `allowed` (the round's other members)."""
+    named: set[str] = set()
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == SUSPECTS_KEY and isinstance(value, str):
+            named |= set(value[:4096].split(",")) & allowed
+    return named
 
 
 @dataclass
@@ -341,7 +361,9 @@ class ReduceRound:
             raise RoundFailed(f"reply from {member.peer_id[:8]} refused: {exc}", {member.peer_id}, "malformed") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
-                raise RoundFailed(f"{member.peer_id[:8]} aborted the round: {exc.details()}") from exc
+                others = set(self.ids) - {member.peer_id, self.identity.peer_id}
+                named = relayed_suspects(exc.trailing_metadata(), others)
+                raise RoundFailed(f"{member.peer_id[:8]} aborted the round: {exc.details()}", named) from exc
             raise RoundFailed(
                 f"exchange with {member.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
                 {member.peer_id},

@@ -496,7 +496,10 @@ class Daemon:
             # Only a step the swarm could be at closes earlier groups: one peer claiming step 10**9 must not make
             # every pending group resync (the median of live peers' gossiped steps cannot be moved by a minority).
             self.leader.on_ahead(request.step)
-        leader = self.membership.settled()[0]
+        # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
+        # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
+        excluded = set(request.suspects) - {self.identity.peer_id}
+        leader = next(p for p in self.membership.settled() if p.peer_id not in excluded)
         if leader.peer_id < self.identity.peer_id:
             return pb.RendezvousResponse(redirect=leader)
         return await self.leader.join(request.step, request.fragment, request.attempt, info, list(request.suspects))
@@ -624,7 +627,7 @@ class Daemon:
                     self.metrics.record_failure(exc.reason)
                     self.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
                 suspects |= exc.suspects - {self.identity.peer_id}
-                for s in exc.suspects:
+                for s in exc.suspects if exc.reason != "aborted" else ():
                     self.membership.mark_unreachable(s)
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
                 await asyncio.sleep(0.1 * (attempt + 1))

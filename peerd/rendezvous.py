@@ -27,6 +27,7 @@ class _Pending:
     deadline: float = 0.0
     result: asyncio.Future | None = None
     extensions: int = 0
+    refused: set[str] = field(default_factory=set)  # peers the leader itself blames for this step's failed attempts
 
 
 class Behind(Exception):
@@ -83,9 +84,17 @@ class RendezvousLeader:
             pend = _Pending(key, expected, deadline=time.monotonic() + self.timeout_s, result=loop.create_future())
             self.pending[key] = pend
             loop.call_later(self.timeout_s, self._on_deadline, key)
+        if info.peer_id == self.membership.self_id:
+            # The leader's own blame (from its failed attempts at this step) keeps those peers out of the group even
+            # if they ask to join: a corrupt sender otherwise rejoined every retry until it was banned. A joiner's
+            # blame only stops us waiting for the peer it names, so a hostile joiner cannot exclude anyone.
+            pend.refused |= set(suspects) - {info.peer_id}
+            for pid in pend.refused:
+                pend.joined.pop(pid, None)
         pend.expected -= set(suspects)
-        pend.expected.add(info.peer_id)
-        pend.joined[info.peer_id] = info
+        if info.peer_id not in pend.refused:
+            pend.expected.add(info.peer_id)
+            pend.joined[info.peer_id] = info
         if pend.expected <= set(pend.joined):
             self._close(key)
         assert pend.result is not None

@@ -1,0 +1,54 @@
+"""The round leader's bookkeeping (peerd/rendezvous.py) on a real Membership, and the suspects an aborting owner relays
+(peerd/allreduce.py): after a failed round every member must retry in the same group, without the peer to blame."""
+
+from __future__ import annotations
+
+import asyncio
+
+from peerd.allreduce import SUSPECTS_KEY, RoundFailed, relayed_suspects, suspects_metadata
+from peerd.identity import peer_id_of
+from peerd.membership import Membership
+from peerd.rendezvous import RendezvousLeader
+from peerd.v1 import peerd_pb2 as pb
+
+
+def _info(key: bytes) -> pb.PeerInfo:
+    return pb.PeerInfo(peer_id=peer_id_of(key), public_key=key, heartbeat=1, address="h:1", outer_step=0)
+
+
+def _swarm() -> tuple[Membership, list[pb.PeerInfo]]:
+    peers = [_info(bytes([i]) * 32) for i in range(4)]
+    leader = min(peers, key=lambda p: p.peer_id)
+    m = Membership(leader, peer_timeout=60.0, settle_s=0.0)
+    m.merge([p for p in peers if p is not leader])
+    return m, sorted(peers, key=lambda p: p.peer_id)
+
+
+def test_the_leader_keeps_out_whom_it_blames_but_a_joiner_cannot_exclude_anyone() -> None:
+    async def main() -> None:
+        m, (lead, a, b, bad) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 0)
+        # The corrupt peer asks first (it blames nobody), then a joiner that blames an honest peer (b), then b; the
+        # leader, which saw `bad`'s corrupt frame in the failed attempt, comes last.
+        joins = []
+        for who, blames in ((bad, []), (a, [b.peer_id]), (b, [bad.peer_id]), (lead, [bad.peer_id])):
+            joins.append(asyncio.ensure_future(leader.join(0, -1, 1, who, blames)))
+            await asyncio.sleep(0)
+        got = await asyncio.wait_for(asyncio.gather(*joins), 4.0)  # closes as soon as the expected peers are in
+        bad_resp, a_resp, b_resp, lead_resp = got
+        assert bad_resp.WhichOneof("result") == "behind"  # left out: it downloads state instead
+        group = lead_resp.group
+        assert [x.peer_id for x in group.members] == sorted([lead.peer_id, a.peer_id, b.peer_id])
+        assert a_resp.group == group and b_resp.group == group  # b joined although a blamed it
+
+    asyncio.run(main())
+
+
+def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
+    exc = RoundFailed("bad contribution", {"x" * 32, "y" * 32})
+    md = suspects_metadata(exc)
+    assert md and md[0][0] == SUSPECTS_KEY
+    assert relayed_suspects(md, {"x" * 32}) == {"x" * 32}  # y is not in this round: a lying owner gains nothing
+    assert relayed_suspects((("other", "x" * 32),), {"x" * 32}) == set()
+    assert relayed_suspects(None, {"x" * 32}) == set()
+    assert suspects_metadata(RoundFailed("timeout")) == ()
