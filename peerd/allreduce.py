@@ -23,9 +23,9 @@ import grpc
 import torch
 
 from peerd import faults
-from peerd.codecs import Codec, CodecError, make_codec
+from peerd.codecs import Codec, CodecError
 from peerd.codecs.base import check_input, finite_or_raise
-from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, SealedFrame, parse_header, seal_frame
+from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
 from peerd.robust import ContributionGuard, ContributionRejected, mean_of
@@ -315,7 +315,7 @@ class ReduceRound:
             self.sent_decoded = None
             if not bool(torch.isfinite(bad[self.me]).all()):
                 bad[self.me] = parts[self.me]  # a NaN frame would not decode for us either
-            return [_forge_frame(self.codec, b.contiguous()) for b in bad]
+            return [faults.forge_frame(self.codec, b.contiguous()) for b in bad]
         self.sent_decoded = self.vector.detach().float().cpu() if self.codec.lossless and self.want_decoded else None
         out: list[bytes | SealedFrame | torch.Tensor] = []
         for j, part in enumerate(parts):
@@ -401,15 +401,3 @@ class ReduceRound:
             missing = {self.ids[i] for i, c in enumerate(self.contrib) if c is None}
             return RoundFailed("round timed out", missing, "timeout")
         return RoundFailed(f"round failed: {exc!r}")
-
-
-def _forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
-    """Fault injection only (a poisoning peer): frame `x` even when it holds NaN/Inf, which `encode` refuses, the
-    way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""
-    if bool(torch.isfinite(x).all()):
-        return codec.encode(x)
-    plain = make_codec(codec.name, zstd=False, block_size=codec.block_size or 256)
-    frame = plain.encode(torch.nan_to_num(x, nan=1.0, posinf=1.0, neginf=-1.0))
-    body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
-    body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
-    return seal_frame(parse_header(frame), body)

@@ -12,6 +12,9 @@ from typing import TypeVar
 
 import torch
 
+from peerd.codecs import Codec, make_codec
+from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
+
 T = TypeVar("T", bound=Sized)
 
 
@@ -45,3 +48,15 @@ def poisoned(vector: torch.Tensor) -> torch.Tensor:
         out[: max(1, out.numel() // 100)] = float("nan")
         return out
     return vector
+
+
+def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
+    """Fault injection only (a poisoning peer): frame `x` even when it holds NaN/Inf, which `encode` refuses, the
+    way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""
+    if bool(torch.isfinite(x).all()):
+        return codec.encode(x)
+    plain = make_codec(codec.name, zstd=False, block_size=codec.block_size or 256)
+    frame = plain.encode(torch.nan_to_num(x, nan=1.0, posinf=1.0, neginf=-1.0))
+    body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
+    body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
+    return seal_frame(parse_header(frame), body)

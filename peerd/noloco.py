@@ -176,7 +176,18 @@ class NoLoCo(OuterAlgorithm):
         return True
 
     def apply(self, outcome: PairOutcome) -> torch.Tensor:
-        """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta."""
+        """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta. Partners
+        whose tensors are out of bounds are left out first (as lost, with the reason in the note) and counted
+        towards their ban: one huge delta would otherwise wreck our slow weights."""
+        me = self.pairing.my_id
+        partners = {pid: c for pid, c in outcome.contributions.items() if pid != me}
+        if partners:
+            for pid, why in self.daemon.guard.screen_partners(outcome.contributions[me], partners).items():
+                log.warning("outer step %d: refused %s's tensors: %s", outcome.step, pid[:8], why)
+                del outcome.contributions[pid]
+                outcome.lost.append(pid)
+                outcome.note += f"; refused {pid[:8]} (too large)"
+                self.daemon.invalid_contribution(pid, "too_large")
         return noloco_update(
             self.phi,
             self.momentum,

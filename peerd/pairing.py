@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
+from peerd import faults
 from peerd.allreduce import RoundFailed, RoundStats
 from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier, sign
@@ -524,7 +525,7 @@ class Pairing:
             self._ahead_stop = True  # the matching window is over; a proposal in flight may still form our group
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ahead_task
-        encoded = {k: await loop.run_in_executor(self.executor, self.codec.encode, tensors[k]) for k in KINDS}
+        encoded = {k: await loop.run_in_executor(self.executor, self._encode, tensors[k]) for k in KINDS}
         self._avail_step = step
         self._at_boundary = encoded
         sess: _Session | None = None
@@ -568,6 +569,10 @@ class Pairing:
                 self._retire(sess)
             if self._session is sess:
                 self._session = None
+
+    def _encode(self, t: torch.Tensor) -> bytes:
+        bad = faults.poisoned(t)  # a test-only injector: `t` itself unless enabled
+        return self.codec.encode(t) if bad is t else faults.forge_frame(self.codec, bad.contiguous())
 
     async def _pace(self, step: int, deadline: float, *, until_matched: bool) -> None:
         """Bounded staleness: do not start matching for `step` while a live peer is still more than max_staleness

@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,6 +36,7 @@ STRIKE_REASONS = frozenset(
     {"nan", "malformed", "oversized", "wrong_shape", "wrong_codec", "duplicate", "not_member", "too_large"}
 )
 HISTORY = 8  # own recent norms kept per fragment
+NOLOCO_KEY = -2  # the own-norm history of NoLoCo deltas (fragments are >= -1)
 
 
 class ContributionRejected(ValueError):
@@ -109,6 +110,26 @@ class ContributionGuard:
         norms = [rms(r) for r in replies]
         ref = lower_median(norms)
         return [j for j, n in enumerate(norms) if j != me and self.too_large(n, ref)]
+
+    def screen_partners(
+        self, own: Mapping[str, torch.Tensor], partners: Mapping[str, Mapping[str, torch.Tensor]]
+    ) -> dict[str, str]:
+        """NoLoCo has no shard owner: each peer judges its partners' (delta, phi offset) itself, before averaging
+        with them. A delta is judged like a contribution, against our own (and our recent ones); the gap between a
+        partner's slow weights and ours against how far ours moved from the shared reference, or our delta's scale
+        if larger. Returns {partner: why} for those out of bounds; records our own delta's norm."""
+        own_rms = rms(own["pair"])
+        ref = self.reference(NOLOCO_KEY, own_rms)
+        self.record_own(NOLOCO_KEY, own_rms)
+        gap_ref = max(rms(own["phi"]), ref)
+        bad: dict[str, str] = {}
+        for pid, theirs in partners.items():
+            delta, gap = rms(theirs["pair"]), rms(theirs["phi"] - own["phi"])
+            if self.too_large(delta, ref):
+                bad[pid] = f"delta norm {delta:.3g} exceeds {self.max_norm_ratio:g} x our {ref:.3g}"
+            elif self.too_large(gap, gap_ref):
+                bad[pid] = f"slow weights {gap:.3g} from ours, over {self.max_norm_ratio:g} x {gap_ref:.3g}"
+        return bad
 
     def aggregate(self, contribs: Sequence[torch.Tensor], private: Sequence[bool] | None = None) -> torch.Tensor:
         """Deterministic fp32 aggregate in member order. `private[i]` says contribution i's memory is ours to

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import re
 from pathlib import Path
 
@@ -175,6 +176,40 @@ def test_partner_dies_mid_exchange_and_the_survivor_steps_on(tmp_path: Path, mon
     log = survivor.log()
     assert re.search(r"outer step \d+: partner [0-9a-f]{8}; lost [0-9a-f]{8}", log), log[-3000:]
     assert "PARTIAL round" in log
+
+
+@pytest.mark.slow
+def test_a_poisoning_partner_is_refused_and_banned(tmp_path: Path) -> None:
+    """NoLoCo has no shard owner to screen contributions: every peer judges its partners' tensors before it averages
+    with them. One peer sends deltas and slow weights a million times too large (fault injector, a real process);
+    the two honest peers refuse them, ban it, keep pairing with each other, and their slow weights stay sane."""
+    config = _noloco_config(tmp_path, run__outer_steps=8)
+    swarm = Swarm(tmp_path, 3, config)
+    try:
+        honest = [swarm.spawn(0, None, wait_peers=3)]
+        honest.append(swarm.spawn(1, honest[0].address, wait_peers=3))
+        poisoner = swarm.spawn(2, honest[0].address, wait_peers=3, env={"PEERD_FAULT_POISON": "huge"})
+        swarm.peers.extend([*honest, poisoner])
+        swarm.wait_exit(240, honest)
+    finally:
+        swarm.stop()
+    bad_id = poisoner.summary()["peer_id"]
+    refused = 0
+    for p in honest:
+        s = p.summary()
+        assert s["outer_step"] == 8 and s["finished"], s
+        assert s["history"][-1]["loss"] < s["history"][0]["loss"], s["history"]
+        assert all(math.isfinite(h["loss"]) and h["loss"] < 10 for h in s["history"]), s["history"]
+        refused += s["rejected_contributions"]
+        if s["rejected_contributions"] >= 3:
+            assert bad_id in s["banned"], s
+        assert any(r["note"].startswith("partner ") and "refused" not in r["note"] for r in s["rounds"]), s["rounds"]
+    assert refused >= 1, "no honest peer ever met the poisoner"
+    params = [global_params(p.data_dir) for p in honest]
+    assert all(g is not None and bool(torch.isfinite(g["params"]).all()) for g in params)
+    init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
+    for g in params:  # a single accepted 1e6 x delta would have thrown them far from anywhere training goes
+        assert float((g["params"] - init).norm()) < 10 * float(init.norm())
 
 
 @pytest.mark.slow

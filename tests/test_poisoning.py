@@ -86,6 +86,19 @@ def test_robust_aggregations() -> None:
     assert rms(torch.ones(16)) == 1.0
 
 
+def test_noloco_partners_are_judged_by_their_delta_and_how_far_their_slow_weights_are_from_ours() -> None:
+    guard = ContributionGuard(RobustSection(max_norm_ratio=10.0))
+    g = torch.Generator().manual_seed(3)
+    own = {"pair": torch.randn(500, generator=g) * 0.01, "phi": torch.randn(500, generator=g) * 0.1}
+    honest = {"pair": torch.randn(500, generator=g) * 0.01, "phi": own["phi"] + torch.randn(500, generator=g) * 0.01}
+    huge_delta = {"pair": honest["pair"] * 1e6, "phi": honest["phi"]}
+    far_away = {"pair": honest["pair"], "phi": own["phi"] + 50.0}
+    bad = guard.screen_partners(own, {"h": honest, "d": huge_delta, "f": far_away})
+    assert sorted(bad) == ["d", "f"] and "delta" in bad["d"] and "slow weights" in bad["f"]
+    off = ContributionGuard(RobustSection(max_norm_ratio=0.0))  # 0 turns the check off
+    assert off.screen_partners(own, {"d": huge_delta}) == {}
+
+
 @pytest.mark.parametrize("private", [[False, False, False], [True, False, True], [False, True, True], [True] * 3])
 def test_in_place_mean_is_bit_identical_and_spares_shared_memory(private: list[bool]) -> None:
     """The owner sums into a contribution's own memory when it may; the bits must not depend on which one, and a
