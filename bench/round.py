@@ -1,6 +1,6 @@
 """Time one DiLoCo round (rendezvous + reduce-scatter + all-gather) between N real daemon processes on loopback.
 
-    python -m bench.round [--params 10_000_000] [--peers 2,3,4] [--rounds 7] [--codec fp32] [--tls]
+    python -m bench.round [--params 10_000_000] [--peers 2,3,4] [--rounds 7] [--codec fp32] [--tls] [--malloc both]
 
 Each peer is a separate OS process running a real `Daemon` (gRPC on 127.0.0.1) that averages a random vector of
 --params fp32 values; no training, so the figure is the round itself. Prints the median seconds per round and the
@@ -24,6 +24,10 @@ BENCH_NETWORK = {"gossip_interval": 0.3, "peer_timeout": 5.0, "rendezvous_timeou
 
 def worker(args: argparse.Namespace) -> None:
     """One peer: join, wait for the others, run --rounds rounds, write timings to --out."""
+    if args.malloc_tune:
+        from peerd.allocator import tune_allocator
+
+        tune_allocator()  # as `peerd start` does, before torch and grpc start threads
     import torch
 
     torch.set_num_threads(1)
@@ -57,11 +61,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_swarm(
-    n: int, params: int, rounds: int, codec: str, zstd_level: int, workdir: Path, use_tls: bool = False
+    n: int,
+    params: int,
+    rounds: int,
+    codec: str,
+    zstd_level: int,
+    workdir: Path,
+    use_tls: bool = False,
+    malloc_tune: bool = True,
 ) -> list[dict]:
     cmd = [sys.executable, "-m", "bench.round", "--worker", "--params", str(params), "--rounds", str(rounds),
            "--codec", codec, "--n", str(n), "--zstd-level", str(zstd_level)]  # fmt: skip
     cmd += ["--tls"] if use_tls else []
+    cmd += ["--malloc-tune"] if malloc_tune else []
     procs = [subprocess.Popen([*cmd, "--index", "0", "--out", str(workdir / "r0.json")])]
     addr_file = workdir / "peer0" / "address"
     deadline = time.monotonic() + 60
@@ -89,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zstd-level", type=int, default=0, help="0: no compression (the plain fp32 baseline)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tls", action="store_true", help="TLS links, as `peerd start` uses by default (else plaintext)")
+    ap.add_argument(
+        "--malloc", choices=["both", "on", "off"], default="both", help="peers' glibc malloc tuning: compare, or one"
+    )
+    ap.add_argument("--malloc-tune", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=2, help=argparse.SUPPRESS)
@@ -99,31 +115,42 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     rows = []
+    variants = {"both": [True, False], "on": [True], "off": [False]}[args.malloc]
     print(
         f"DiLoCo round, {args.params / 1e6:.1f}M params, codec {args.codec}, {'TLS' if args.tls else 'plaintext'}, "
-        f"loopback, median of "
-        f"{args.rounds - 1} rounds after one warm-up"
+        f"loopback, median of {args.rounds - 1} rounds after one warm-up; malloc: tuned as `peerd start` does "
+        "(peerd/allocator.py) or glibc's defaults"
     )
-    print(f"{'peers':>5} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13}")
+    print(f"{'peers':>5} {'malloc':>7} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13}")
     for n in [int(x) for x in args.peers.split(",")]:
-        with tempfile.TemporaryDirectory(prefix="peerd-bench-round-") as tmp:
-            results = run_swarm(n, args.params, args.rounds, args.codec, args.zstd_level, Path(tmp), args.tls)
-        per_round = [max(r["times"][k] for r in results) for k in range(1, args.rounds)]
-        med = statistics.median(per_round)
-        wire = statistics.median(r["stats"][k][0] + r["stats"][k][1] for r in results for k in range(1, args.rounds))
-        sent = statistics.median(r["stats"][k][0] for r in results for k in range(1, args.rounds))
-        row = {
-            "peers": n,
-            "seconds_per_round": med,
-            "model_gb_per_s": 4 * args.params / med / 1e9,
-            "peer_wire_gb_per_s": wire / med / 1e9,
-            "sent_mb_per_peer": sent / 1e6,
-        }
-        rows.append(row)
-        print(
-            f"{n:>5} {med:>9.3f} {row['model_gb_per_s']:>11.3f} {row['peer_wire_gb_per_s']:>15.3f} "
-            f"{row['sent_mb_per_peer']:>13.1f}"
-        )
+        for tuned in variants:
+            with tempfile.TemporaryDirectory(prefix="peerd-bench-round-") as tmp:
+                results = run_swarm(
+                    n, args.params, args.rounds, args.codec, args.zstd_level, Path(tmp), args.tls, tuned
+                )
+            per_round = [max(r["times"][k] for r in results) for k in range(1, args.rounds)]
+            med = statistics.median(per_round)
+            wire = statistics.median(
+                r["stats"][k][0] + r["stats"][k][1] for r in results for k in range(1, args.rounds)
+            )
+            sent = statistics.median(r["stats"][k][0] for r in results for k in range(1, args.rounds))
+            row = {
+                "peers": n,
+                "malloc_tuned": tuned,
+                "seconds_per_round": med,
+                "model_gb_per_s": 4 * args.params / med / 1e9,
+                "peer_wire_gb_per_s": wire / med / 1e9,
+                "sent_mb_per_peer": sent / 1e6,
+            }
+            rows.append(row)
+            print(
+                f"{n:>5} {'tuned' if tuned else 'default':>7} {med:>9.3f} {row['model_gb_per_s']:>11.3f} "
+                f"{row['peer_wire_gb_per_s']:>15.3f} {row['sent_mb_per_peer']:>13.1f}",
+                flush=True,
+            )
+        if len(variants) == 2:
+            on, off = rows[-2]["seconds_per_round"], rows[-1]["seconds_per_round"]
+            print(f"{n:>5} tuned/default time ratio {on / off:.2f}")
     if args.json:
         print(json.dumps({"params": args.params, "codec": args.codec, "tls": args.tls, "rows": rows}))
     return 0

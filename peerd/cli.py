@@ -11,10 +11,12 @@ import sys
 import threading
 from pathlib import Path
 
+from peerd.allocator import tune_allocator
 from peerd.config import ConfigError, RunConfig, write_template
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()  # before any thread starts: see peerd/allocator.py
     parser = argparse.ArgumentParser(prog="peerd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
