@@ -47,6 +47,7 @@ from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
+DRAIN_S = 10.0  # at shutdown, how long streams in flight may take to finish (a 17 MB reply at 20 Mbit/s: ~7 s)
 T = TypeVar("T")
 UNREACHABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -271,7 +272,7 @@ class Daemon:
             return
         self.status.state = "stopping"
         with contextlib.suppress(Exception):
-            self.call(self._shutdown(leave), timeout=15)
+            self.call(self._shutdown(leave), timeout=DRAIN_S + 15)
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -293,7 +294,10 @@ class Daemon:
                 *(self.channels.membership(p.address, p).Leave(req, timeout=2) for p in peers), return_exceptions=True
             )
         if self._server is not None:
-            await self._server.stop(grace=1.0)
+            # New calls are refused at once; streams in flight (a reply a slower member is still downloading from
+            # us after our own last round) get up to DRAIN_S to finish: with a 1 s grace, a peer that finished the
+            # run first cut its partners' last round on slow links and made them retry without it.
+            await self._server.stop(grace=DRAIN_S)
         await self.channels.close()
 
     # -- membership ----------------------------------------------------------------------------------------------
