@@ -324,13 +324,12 @@ class ReduceRound:
                 finite_or_raise(own, "input tensor")  # the refusal encoding it would have made
                 out.append(own)
             else:
-                frame = self.codec.encode_frame(part.contiguous())
-                out.append(frame if j == self.me else faults.corrupt(frame))
+                out.append(self.codec.encode_frame(part.contiguous()))
         if self.want_decoded and not self.codec.lossless:
             self.sent_decoded = torch.cat(
                 [self.codec.decode(bytes(f), hi - lo) for f, (lo, hi) in zip(out, self.bounds, strict=True)]
             )
-        return out
+        return [f if j == self.me else faults.corrupt(f) for j, f in enumerate(out)]
 
     async def _add_own(self, payload: bytes | SealedFrame | torch.Tensor) -> None:
         if isinstance(payload, torch.Tensor):
