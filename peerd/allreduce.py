@@ -316,7 +316,6 @@ class ReduceRound:
             if not bool(torch.isfinite(bad[self.me]).all()):
                 bad[self.me] = parts[self.me]  # a NaN frame would not decode for us either
             return [faults.forge_frame(self.codec, b.contiguous()) for b in bad]
-        self.sent_decoded = self.vector.detach().float().cpu() if self.codec.lossless and self.want_decoded else None
         out: list[bytes | SealedFrame | torch.Tensor] = []
         for j, part in enumerate(parts):
             if j == self.me and self.codec.lossless:
@@ -325,7 +324,11 @@ class ReduceRound:
                 out.append(own)
             else:
                 out.append(self.codec.encode_frame(part.contiguous()))
-        if self.want_decoded and not self.codec.lossless:
+        # What our contribution decodes to, for error feedback (a lossless codec's: the vector itself).
+        self.sent_decoded = None
+        if self.want_decoded and self.codec.lossless:
+            self.sent_decoded = self.vector.detach().float().cpu()
+        elif self.want_decoded:
             self.sent_decoded = torch.cat(
                 [self.codec.decode(bytes(f), hi - lo) for f, (lo, hi) in zip(out, self.bounds, strict=True)]
             )

@@ -631,8 +631,9 @@ class Daemon:
                     self.metrics.record_failure(exc.reason)
                     self.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
                 suspects |= exc.suspects - {self.identity.peer_id}
-                for s in exc.suspects if exc.reason != "aborted" else ():
-                    self.membership.mark_unreachable(s)
+                if exc.reason != "aborted":  # "aborted" suspects are another member's word: skip them, no more
+                    for s in exc.suspects:
+                        self.membership.mark_unreachable(s)
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue

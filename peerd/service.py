@@ -148,13 +148,15 @@ class RoundsService(rpc.RoundsServicer):
                 if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now
                     self.d.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
                 await self.d.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
-            if rnd is not None and sender is not None and sender in rnd.ids and reason == "truncated":
-                # A member whose own round just failed elsewhere cancels its streams: the break is no proof against
-                # it, and blaming it made the members' retries skip different peers and split into groups of one.
-                rnd.abort(RoundFailed(f"contribution from {sender[:8]} broke off: {exc}"))
-            elif rnd is not None and sender is not None and sender in rnd.ids:
-                rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
-                self.d.suspect(sender, reason)
+            if rnd is not None and sender is not None and sender in rnd.ids:
+                if reason == "truncated":
+                    # A member whose own round just failed elsewhere cancels its streams: the break is no proof
+                    # against it, and blaming it made the members' retries skip different peers and split into
+                    # groups of one.
+                    rnd.abort(RoundFailed(f"contribution from {sender[:8]} broke off: {exc}"))
+                else:
+                    rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
+                    self.d.suspect(sender, reason)
             await self.d.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))
