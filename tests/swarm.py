@@ -15,7 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
 from peerd.demo import to_toml
+from peerd.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,6 +35,18 @@ TINY: dict[str, dict[str, Any]] = {
         "match_timeout": 3.0,
     },
 }
+
+
+def ids_in_order(tmp_path: Path, n: int) -> None:
+    """Give peer0 .. peer{n-1} identity keys whose ids ascend, so a test knows which peers are the lowest ids (round
+    leaders are the lowest live id; a hostile leader is a limitation of its own, see SECURITY.md)."""
+    keys = sorted((Identity.generate() for _ in range(n)), key=lambda ident: ident.peer_id)
+    for i, ident in enumerate(keys):
+        (tmp_path / f"peer{i}").mkdir(parents=True, exist_ok=True)
+        raw = ident.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        fd = os.open(tmp_path / f"peer{i}" / "identity.key", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
 
 
 def tiny_config(tmp_path: Path, name: str = "run.toml", **overrides: Any) -> Path:

@@ -7,17 +7,14 @@ four peers poison every contribution (the PEERD_FAULT_POISON injector, peerd/fau
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from peerd.config import RobustSection
-from peerd.identity import Identity
 from peerd.robust import BanList, ContributionGuard, ContributionRejected, majority_suspects, mean_of, rms
-from tests.swarm import Swarm, tiny_config
+from tests.swarm import Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 
 
@@ -139,13 +136,7 @@ def test_poisoning_peers_are_refused_then_banned_and_the_rest_train_on(tmp_path:
     config = tiny_config(tmp_path, run__outer_steps=3, codec__zstd_level=0, security__ban_after=1)
     # The honest peers get the two lowest ids, so a round's leader (the lowest live id) is honest: a poisoning
     # leader that only some honest peers have banned yet can split them between leaders (SECURITY.md, limitations).
-    keys = sorted((Identity.generate() for _ in range(4)), key=lambda ident: ident.peer_id)
-    for i, ident in enumerate(keys):
-        (tmp_path / f"peer{i}").mkdir()
-        raw = ident.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-        fd = os.open(tmp_path / f"peer{i}" / "identity.key", os.O_WRONLY | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
+    ids_in_order(tmp_path, 4)
     swarm = Swarm(tmp_path, 0, config, secure=True)
     first = swarm.spawn(0, None, wait_peers=4)
     swarm.peers.append(first)
