@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 class OuterAlgorithm(ABC):
     name: str
+    # Peer-rounds behind the global state: each applied round adds its number of included peers. Part of the state
+    # (digested, checkpointed, downloaded), and the weight of the split-brain rule (peerd/consistency.py).
+    work: int = 0
 
     @abstractmethod
     def after_inner_step(self, worker: Worker, t: int) -> bool:

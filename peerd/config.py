@@ -139,6 +139,9 @@ class NetworkSection:
     round_timeout: float = 120.0  # how long an exchange may take before the round fails
     match_timeout: float = 10.0  # NoLoCo: how long a peer looks for a partner before stepping alone
     chunk_bytes: int = 1 << 20
+    redial_max: float = 5.0  # dead peers and bootstrap addresses are re-dialled with backoff up to this, forever
+    forget_after: float = 300.0  # a dead peer stays expected in rounds (they are partial without it) for this long
+    linger: float = 30.0  # after the last outer step, serve state this long for peers still finishing or restarting
 
 
 @dataclass

@@ -35,10 +35,12 @@ from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
+from peerd.consistency import AloneTracker, Claim, best_claim, claim_of, outranks
 from peerd.envelope import AuthError, Verifier, set_admission_prover, sign
 from peerd.identity import Identity, peer_id_of
 from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
+from peerd.redial import Redialer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
@@ -86,6 +88,8 @@ class LocalStatus:
     rejected_messages: int = 0
     rejected_contributions: int = 0
     solo_steps: int = 0
+    state_downloads: int = 0
+    forks_healed: int = 0
     finished: bool = False
     last_round: pb.RoundSummary | None = None
     recent_rounds: deque = field(default_factory=lambda: deque(maxlen=1024))
@@ -125,7 +129,14 @@ class Daemon:
             peer_id=identity.peer_id, public_key=identity.public_key, incarnation=time.time_ns(), heartbeat=1
         )
         net = cfg.network
-        self.membership = Membership(self.me, net.peer_timeout, settle_s=min(3.0, 3 * net.gossip_interval))
+        self.membership = Membership(
+            self.me,
+            net.peer_timeout,
+            settle_s=min(3.0, 3 * net.gossip_interval),
+            run_id=self.run_id,
+            sign=identity.sign,
+            forget_after=net.forget_after,
+        )
         self.verifier = Verifier(self.run_id)
         # Security (SECURITY.md): TLS identity, admission policy, bans, contribution checks and resource limits.
         self.insecure = insecure
@@ -159,6 +170,16 @@ class Daemon:
         self.channels: Channels | None = None
         self.leader: RendezvousLeader | None = None
         self.pairing: Any = None  # set by the NoLoCo algorithm
+        self.alone = AloneTracker()
+        self.redialer = Redialer(
+            self.membership.dead,
+            self._redial_peer,
+            self.bootstrap,
+            self._redial_bootstrap,
+            lambda addr: any(p.address == tls.parse_bootstrap(addr)[1] for p in self.membership.alive()),
+            net.gossip_interval,
+            net.redial_max,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, join_timeout: float = 60.0) -> None:
@@ -247,22 +268,29 @@ class Daemon:
         _write_atomic(self.data_dir / "metrics_address", self.me.metrics_address)
 
     def _sd_targets(self) -> list[dict]:
+        """Prometheus service discovery (metrics thread): reads the loop's published snapshot, never the table."""
         run = self.run_id.hex()[:8]
         return [
             {"targets": [p.metrics_address], "labels": {"peer": p.peer_id[:8], "run": run}}
-            for p in self.membership.alive()
+            for p in self.membership.view.alive
             if p.metrics_address
         ]
 
     async def _start_background(self) -> None:
+        self.membership.snapshot()
         self._tasks.append(asyncio.ensure_future(self._gossip_loop()))
+        self._tasks.append(asyncio.ensure_future(self._redial_loop()))
 
     def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> None:
         """Block until `n` peers (us included) are settled members, so the first round has one leader for all."""
         deadline = time.monotonic() + timeout
-        while len(self.membership.settled()) < n and not stop.is_set():
+
+        async def settled() -> int:
+            return len(self.membership.settled())
+
+        while (have := self.call(settled())) < n and not stop.is_set():
             if time.monotonic() > deadline:
-                log.warning("only %d of %d peers showed up; training anyway", len(self.membership.settled()), n)
+                log.warning("only %d of %d peers showed up; training anyway", have, n)
                 return
             time.sleep(0.1)
 
@@ -288,7 +316,7 @@ class Daemon:
         if leave:
             self.me.left = True
             self.me.heartbeat += 1
-            req = sign(pb.LeaveRequest(self=self.me), "Leave", self.identity, self.run_id)
+            req = sign(pb.LeaveRequest(self=self.membership.signed_self()), "Leave", self.identity, self.run_id)
             peers = self.membership.alive(include_self=False)
             await asyncio.gather(
                 *(self.channels.membership(p.address, p).Leave(req, timeout=2) for p in peers), return_exceptions=True
@@ -309,32 +337,35 @@ class Daemon:
         while time.monotonic() < deadline:
             for spec in self.bootstrap:
                 try:
-                    addr = await self._bootstrap_address(spec)
-                except (OSError, TimeoutError, tls.TlsError) as exc:
+                    await self._join_one(spec)
+                    return
+                except (OSError, TimeoutError, tls.TlsError, ConnectionError) as exc:
                     last = f"{spec}: {exc}"
-                    continue
-                req = sign(
-                    pb.JoinRequest(self=self.me, run_spec_json=self.cfg.spec_json(), dialed_address=addr),
-                    "Join",
-                    self.identity,
-                    self.run_id,
-                )
-                try:
-                    resp = await self.channels.membership(addr).Join(req, timeout=5)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in UNREACHABLE:
-                        last = f"{addr}: {exc.code().name} {exc.details()}"
-                        continue
-                    raise JoinError(f"{addr} refused us: {exc.details()}") from exc
-                if _unspecified(self.me.address) and resp.observed_address:
-                    self.me.address = f"{resp.observed_address}:{self.me.address.rsplit(':', 1)[-1]}"
-                    self.me.heartbeat += 1
-                    _write_atomic(self.data_dir / "address", self.me.address)
-                self.membership.merge(resp.peers)
-                log.info("joined through %s: %d peers known", addr, len(self.membership.alive()) - 1)
-                return
             await asyncio.sleep(0.5)
         raise JoinError(f"could not reach any bootstrap address within {timeout:.0f}s ({last})")
+
+    async def _join_one(self, spec: str, timeout: float = 5.0) -> None:
+        """One Join through `spec`. Raises ConnectionError when nobody answered there, JoinError when refused."""
+        assert self.channels is not None
+        addr = await self._bootstrap_address(spec)
+        req = sign(
+            pb.JoinRequest(self=self.membership.signed_self(), run_spec_json=self.cfg.spec_json(), dialed_address=addr),
+            "Join",
+            self.identity,
+            self.run_id,
+        )
+        try:
+            resp = await self.channels.membership(addr).Join(req, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in UNREACHABLE:
+                raise ConnectionError(f"{addr}: {exc.code().name} {exc.details()}") from None
+            raise JoinError(f"{addr} refused us: {exc.details()}") from exc
+        if _unspecified(self.me.address) and resp.observed_address:
+            self.me.address = f"{resp.observed_address}:{self.me.address.rsplit(':', 1)[-1]}"
+            self.me.heartbeat += 1
+            _write_atomic(self.data_dir / "address", self.me.address)
+        self.merge_gossip(resp.peers)
+        log.info("joined through %s: %d peers known", addr, len(self.membership.alive()) - 1)
 
     async def _bootstrap_address(self, spec: str) -> str:
         """'PEERID@host:port' or 'host:port' -> the address to dial; with TLS, read and check the certificate there
@@ -367,15 +398,38 @@ class Daemon:
             targets = random.sample(others, min(3, len(others)))
             if targets:
                 await asyncio.gather(*(self._gossip_one(p) for p in targets))
-            elif self.bootstrap:
-                with contextlib.suppress(JoinError, grpc.aio.AioRpcError):
-                    await self._join(interval)  # alone: try to heal through the bootstrap address
-            self.membership.prune()
+            view = self.membership.snapshot()
             if self.metrics is not None:
-                self.metrics.known_peers.set(len(self.membership.entries) + 1)
-                self.metrics.alive_peers.set(len(self.membership.alive()))
+                self.metrics.known_peers.set(view.known)
+                self.metrics.alive_peers.set(len(view.alive))
+                self.metrics.expected_peers.set(len(view.expected))
+                self.metrics.work.set(self.me.work)
 
-    async def _gossip_one(self, peer: pb.PeerInfo) -> None:
+    async def _redial_loop(self) -> None:
+        """Dead peers and bootstrap addresses, re-dialled with backoff for the life of the run (peerd/redial.py)."""
+        assert self._stopping is not None
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.cfg.network.gossip_interval * random.uniform(0.5, 1.0))
+            before = self.redialer.dials
+            with contextlib.suppress(Exception):
+                await self.redialer.tick()
+            if self.metrics is not None and self.redialer.dials > before:
+                self.metrics.redials.inc(self.redialer.dials - before)
+
+    async def _redial_peer(self, peer: pb.PeerInfo) -> bool:
+        ok = await self._gossip_one(peer, mark=False)
+        if ok:
+            log.info("peer %s at %s answers again: rejoined its part of the swarm", peer.peer_id[:8], peer.address)
+        return ok
+
+    async def _redial_bootstrap(self, spec: str) -> bool:
+        try:
+            await self._join_one(spec, timeout=max(2.0, self.cfg.network.gossip_interval))
+        except (OSError, TimeoutError, tls.TlsError, ConnectionError, JoinError, grpc.aio.AioRpcError):
+            return False
+        return True
+
+    async def _gossip_one(self, peer: pb.PeerInfo, mark: bool = True) -> bool:
         assert self.channels is not None
         req = sign(pb.GossipRequest(peers=self.membership.gossip_view()), "Gossip", self.identity, self.run_id)
         try:
@@ -383,12 +437,25 @@ class Daemon:
                 req, timeout=max(2.0, self.cfg.network.gossip_interval)
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in UNREACHABLE:
+            if mark and exc.code() in UNREACHABLE:
                 self.membership.mark_unreachable(peer.peer_id)
             self.count_sent("gossip", 0, req.ByteSize())
-            return
+            return False
         self.count_sent("gossip", 0, req.ByteSize())
-        self.membership.merge(resp.peers)
+        self.merge_gossip(resp.peers)
+        return True
+
+    def merge_gossip(self, peers: Any) -> list[str]:
+        """Merge gossiped entries; entries not signed by the peer they describe are refused and counted."""
+        before = self.membership.forged
+        new = self.membership.merge(peers)
+        for _ in range(self.membership.forged - before):
+            self.count_rejected("forged_entry")
+        if self.membership.forged > before:
+            shown, _ = self._refusal_log.allow("forged_entry")
+            if shown:
+                log.warning("refused gossip entries not signed by the peer they describe (forged_entry)")
+        return new
 
     def adopt_address(self, dialed: str) -> None:
         """A joiner reached us at `dialed`: if we do not know our public address yet, that is it."""
@@ -502,17 +569,29 @@ class Daemon:
             self.leader.on_ahead(request.step)
         # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
         # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
+        # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
+        # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
         excluded = set(request.suspects) - {self.identity.peer_id}
-        leader = next(p for p in self.membership.settled() if p.peer_id not in excluded)
+        leader = next(p for p in self.membership.alive() if p.peer_id not in excluded)
         if leader.peer_id < self.identity.peer_id:
             return pb.RendezvousResponse(redirect=leader)
-        return await self.leader.join(request.step, request.fragment, request.attempt, info, list(request.suspects))
+        theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
+        behind = self.status.outer_step > request.step and outranks(self.my_claim(), theirs)
+        return await self.leader.join(
+            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind
+        )
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.membership.alive())
         return steps[(len(steps) - 1) // 2] if steps else self.status.outer_step  # the lower median
 
-    async def _rendezvous(self, step: int, fragment: int, attempt: int, suspects: set[str]) -> pb.RendezvousResponse:
+    def my_claim(self) -> Claim:
+        """What we hold: (work, step, digest) of the state we published (read on the loop)."""
+        return Claim(int(self.me.work), int(self.me.outer_step), bytes(self.me.state_digest), self.identity.peer_id)
+
+    async def _rendezvous(
+        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes
+    ) -> pb.RendezvousResponse:
         assert self.leader is not None and self.channels is not None
         tried = set(suspects)
         target: pb.PeerInfo | None = None
@@ -523,10 +602,26 @@ class Daemon:
             if target is None:
                 candidates = [p for p in self.membership.settled() if p.peer_id not in tried]
                 target = candidates[0] if candidates else self.me
+                if target.peer_id == self.identity.peer_id:
+                    # The rule a leader applies to others applies to us: lead only while no lower live peer exists,
+                    # settled or not, or we would wait in a group everyone else is redirected away from.
+                    lower = [
+                        p for p in self.membership.alive() if p.peer_id < target.peer_id and p.peer_id not in tried
+                    ]
+                    target = lower[0] if lower else target
             if target.peer_id == self.identity.peer_id:
-                return await self.leader.join(step, fragment, attempt, self.me, sorted(suspects))
+                return await self.leader.join(step, fragment, self.me, sorted(suspects), failed_round)
+            mine = self.my_claim()
             req = sign(
-                pb.RendezvousRequest(step=step, attempt=attempt, suspects=sorted(suspects), fragment=fragment),
+                pb.RendezvousRequest(
+                    step=step,
+                    attempt=attempt,
+                    suspects=sorted(suspects),
+                    fragment=fragment,
+                    failed_round=failed_round,
+                    work=mine.work,
+                    state_digest=mine.digest,
+                ),
                 "Rendezvous",
                 self.identity,
                 self.run_id,
@@ -547,7 +642,7 @@ class Daemon:
                     tried.add(target.peer_id)
                     target = None
                 else:
-                    self.membership.merge([nxt])
+                    self.merge_gossip([nxt])
                     target = nxt
                 continue
             return resp
@@ -599,10 +694,11 @@ class Daemon:
         self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
     ) -> RoundResult:
         suspects: set[str] = set()
+        failed_round = b""
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, suspects)
+            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
@@ -626,6 +722,7 @@ class Daemon:
             try:
                 result = await rnd.run(self.stub_for, self.verifier)
             except RoundFailed as exc:
+                failed_round = bytes(group.round_id)
                 self.status.rounds_failed += 1
                 if self.metrics is not None:
                     self.metrics.record_failure(exc.reason)
@@ -642,10 +739,9 @@ class Daemon:
             # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
             assert self.loop is not None
             self.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
-            for m in group.members:  # they all finished `step` with us: do not wait for gossip to say so
-                info = self.membership.get(m.peer_id)
-                if info is not None and fragment < 0:
-                    info.outer_step = max(info.outer_step, step + 1)
+            if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
+                for m in group.members:
+                    self.membership.note_step(m.peer_id, step + 1)
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
@@ -654,12 +750,17 @@ class Daemon:
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
     ) -> None:
         s = result.stats
+        # Judged against the run, not the shrunken live set: peers seen live within network.forget_after count as
+        # expected, so a round held by one half of a split is partial, and a round of one is a solo step.
+        expected = sorted(set(group.expected) | set(self.membership.expected()))
+        partial = result.partial or len(set(result.included)) < len(expected)
+        solo = len(set(result.included)) <= 1
         summary = pb.RoundSummary(
             step=group.step,
             algorithm=self.cfg.run.algorithm,
             included=result.included,
-            expected=list(group.expected),
-            partial=result.partial,
+            expected=expected,
+            partial=partial,
             raw_bytes=s.raw_bytes,
             wire_bytes=s.wire_bytes,
             seconds=s.seconds,
@@ -671,19 +772,22 @@ class Daemon:
         self.status.bytes_sent_raw += s.raw_bytes
         self.status.bytes_sent_wire += s.wire_bytes
         self.status.bytes_received_wire += s.received_wire_bytes
-        if result.partial:
+        self.note_alone(len(set(result.included)), len(expected))
+        if solo:
+            self.status.solo_steps += 1
+        elif partial:
             self.status.rounds_partial += 1
-            missing = sorted(set(group.expected) - set(result.included))
+            missing = sorted(set(expected) - set(result.included))
             log.warning(
                 "step %d: PARTIAL round: averaged %d of %d expected peers (missing %s)",
                 group.step,
                 len(result.included),
-                len(group.expected),
+                len(expected),
                 [m[:8] for m in missing],
             )
         if self.metrics is not None:
             m = self.metrics
-            outcome = "partial" if result.partial else ("solo" if len(result.included) == 1 else "complete")
+            outcome = "solo" if solo else ("partial" if partial else "complete")
             m.record_round(
                 outcome,
                 peers=len(result.included),
@@ -696,53 +800,97 @@ class Daemon:
             m.record_received(kind, s.received_wire_bytes * s.raw_bytes // max(s.wire_bytes, 1), s.received_wire_bytes)
 
     # -- state ---------------------------------------------------------------------------------------------------
-    def publish(self, snapshot: StateSnapshot) -> None:
-        """Make `snapshot` the state we serve, and gossip its step and digest."""
+    def publish(self, snapshot: StateSnapshot, finished: bool = False) -> None:
+        """Make `snapshot` the state we serve, and gossip its claim (work, step, digest) and whether we are done."""
         digest = snapshot.digest
 
         def apply() -> None:
             self.snapshot = snapshot
             self.me.outer_step = snapshot.step
             self.me.state_digest = digest
+            self.me.work = snapshot.work
+            self.me.finished = finished
 
         assert self.loop is not None
         self.loop.call_soon_threadsafe(apply)
         self.status.outer_step = snapshot.step
 
-    def state_agrees(self, step: int) -> bool:
-        """False when the live peers at `step` mostly gossip a different state digest than ours (a forked round:
-        e.g. two leaders during a membership change). The digest most peers report is canonical, ties broken by the
-        lowest peer id holding it, so every peer reaches the same verdict from the same gossip."""
-        mine = bytes(self.me.state_digest)
-        if self.me.outer_step != step or not mine:
-            return True
-        holders: dict[bytes, list[str]] = {mine: [self.identity.peer_id]}
-        for p in self.membership.alive(include_self=False):
-            if p.outer_step == step and p.state_digest:
-                holders.setdefault(bytes(p.state_digest), []).append(p.peer_id)
-        canonical = min(holders, key=lambda d: (-len(holders[d]), min(holders[d])))
-        return canonical == mine
+    def canonical(self, min_step: int = -1) -> Claim | None:
+        """The live peers' best state claim when it outranks ours (peerd/consistency.py), else None. Called from the
+        training thread; evaluated on the loop, which owns the table."""
+
+        async def best() -> Claim | None:
+            mine = self.my_claim()
+            others = [claim_of(p) for p in self.membership.alive(include_self=False) if p.outer_step >= min_step]
+            top = best_claim(mine, others)
+            return None if top.same_state(mine) else top
+
+        return self.call(best(), timeout=10.0)
 
     def swarm_step(self) -> int:
-        """The newest outer step any live peer reports."""
-        return max((p.outer_step for p in self.membership.alive(include_self=False)), default=-1)
+        """The newest outer step any live peer reports (NoLoCo catches up to it; it has no single model to rank)."""
 
-    def fetch_state(self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float = 120.0) -> StateSnapshot:
-        """Download the global state (at least `min_step`) from the live peer with the newest one."""
-        return self.call(self._fetch_state(min_step, expected, timeout))
+        async def newest() -> int:
+            return max((p.outer_step for p in self.membership.alive(include_self=False)), default=-1)
 
-    async def _fetch_state(self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float) -> StateSnapshot:
+        return self.call(newest(), timeout=10.0)
+
+    def all_finished(self) -> bool:
+        """Every peer the run expects finished with the state we hold: nobody still needs us to serve it."""
+
+        async def check() -> bool:
+            mine = self.my_claim()
+            for pid in self.membership.expected():
+                info = self.membership.get(pid)
+                if pid == self.identity.peer_id or info is None:
+                    continue
+                if not (self.membership.is_alive(pid) and info.finished and claim_of(info).same_state(mine)):
+                    return False
+            return True
+
+        return self.call(check(), timeout=10.0)
+
+    def run_peers(self) -> tuple[int, int]:
+        """(live peers, peers the run expects) other than us, for "training alone" lines and the restart check."""
+
+        async def count() -> tuple[int, int]:
+            return len(self.membership.alive(include_self=False)), len(self.membership.expected()) - 1
+
+        return self.call(count(), timeout=10.0)
+
+    def note_alone(self, included: int, expected: int) -> None:
+        line = self.alone.update(included, expected)
+        if line is not None:
+            (log.warning if included <= 1 else log.info)(line)
+        if self.metrics is not None:
+            self.metrics.alone.set(1 if self.alone.alone_since is not None else 0)
+
+    def fetch_state(
+        self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float = 120.0, better: bool = False
+    ) -> StateSnapshot:
+        """Download the canonical global state (at least `min_step`) from a live peer that holds it. `better`: only
+        a state that outranks ours (a peer asked to resync never adopts a worse state than its own)."""
+        return self.call(self._fetch_state(min_step, expected, timeout, better))
+
+    async def _fetch_state(
+        self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float, better: bool = False
+    ) -> StateSnapshot:
         assert self.channels is not None
         deadline = time.monotonic() + timeout
         errors: list[str] = []
         while time.monotonic() < deadline:
-            live = [p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step]
-            # Prefer the (step, digest) the most peers agree on, then the newest: one hostile peer gossiping a far
-            # step cannot make joiners download its state while honest peers agree on theirs.
-            votes: dict[tuple[int, bytes], int] = {}
+            mine = self.my_claim()
+            live = [
+                p
+                for p in self.membership.alive(include_self=False)
+                if p.outer_step >= min_step and p.state_digest and (not better or outranks(claim_of(p), mine))
+            ]
+            # The highest-ranked claim first (the split-brain rule), then the holders of the state most peers
+            # hold: among claims of equal rank, the one more peers vouch for.
+            votes: dict[bytes, int] = {}
             for p in live:
-                votes[(p.outer_step, p.state_digest)] = votes.get((p.outer_step, p.state_digest), 0) + 1
-            peers = sorted(live, key=lambda p: (-votes[(p.outer_step, p.state_digest)], -p.outer_step))
+                votes[bytes(p.state_digest)] = votes.get(bytes(p.state_digest), 0) + 1
+            peers = sorted(live, key=lambda p: (claim_of(p).rank, votes[bytes(p.state_digest)]), reverse=True)
             for p in peers:
                 req = sign(pb.StateRequest(min_step=min_step), "Download", self.identity, self.run_id)
                 call = self.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
@@ -755,7 +903,8 @@ class Daemon:
                     if isinstance(exc, StreamError):
                         self.count_rejected(exc.reason)
                     continue
-                log.info("downloaded state at step %d from %s", snap.step, p.peer_id[:8])
+                log.info("downloaded state at step %d (work %d) from %s", snap.step, snap.work, p.peer_id[:8])
+                self.status.state_downloads += 1
                 return snap
             await asyncio.sleep(0.5)
         raise RoundFailed(f"no peer served state at step >= {min_step}: {errors[-3:]}")
@@ -794,10 +943,15 @@ class Daemon:
             history=[pb.OuterStepRecord(**h) for h in list(s.history)[-16:]],
             banned=self.bans.banned(),
             rejected_contributions=s.rejected_contributions,
+            work=self.me.work,
+            state_downloads=s.state_downloads,
+            forks_healed=s.forks_healed,
+            alone_since=self.alone.status,
+            expected=self.membership.expected(),
         )
         if redact:
             msg.redacted = True
-            for name in ("peers", "alive", "banned"):
+            for name in ("peers", "alive", "banned", "expected"):
                 msg.ClearField(name)
             for rnd in [*([msg.last_round] if msg.HasField("last_round") else []), *msg.recent_rounds]:
                 rnd.ClearField("included")

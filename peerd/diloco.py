@@ -38,12 +38,9 @@ class DiLoCo(OuterAlgorithm):
     def after_inner_step(self, worker: Worker, t: int) -> bool:
         if (t + 1) % self.H:
             return False
-        step = worker.outer_step
-        if not worker.daemon.state_agrees(step):
-            log.warning("our global state at step %d differs from most peers': downloading theirs", step)
-            if worker.resync(step):
-                worker.publish()
+        if worker.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
             return False
+        step = worker.outer_step
         local = worker.layout.flatten(worker.model).detach().float()
         pseudo = self.global_params.to(local.device, non_blocking=True) - local
         if self.feedback is not None:
@@ -54,8 +51,7 @@ class DiLoCo(OuterAlgorithm):
         except Behind as exc:
             worker.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
-            worker.resync(exc.step)
-            return True
+            return worker.resync(-1)
         except RoundFailed as exc:
             # Keep our local progress and try again after the next H inner steps; never crash the peer.
             worker.add_idle(time.perf_counter() - t0)
@@ -66,6 +62,7 @@ class DiLoCo(OuterAlgorithm):
             self.feedback.update("params", pseudo, result.sent_decoded)
         self.outer.step(self.global_params, result.average)
         worker.layout.unflatten_into(self.global_params, worker.model)
+        self.work += len(set(result.included))
         worker.outer_step = step + 1
         worker.last_result = result
         return True

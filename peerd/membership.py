@@ -3,6 +3,15 @@
 There is no central server. Each peer bumps its own heartbeat counter; gossip carries every entry to every peer, and
 the highest (incarnation, heartbeat) wins. A peer whose heartbeat has not advanced for `peer_timeout` seconds of local
 time is considered dead; a peer that announced Leave is kept as a tombstone so stale gossip cannot revive it.
+
+Three rules keep one model whatever the network does (ARCHITECTURE.md, "One model"):
+- Entries are signed by the peer they describe, so gossip relayed through others cannot be forged or altered.
+- Dead is not forgotten: a dead entry stays in the table (it is no longer gossiped) and peerd/redial.py keeps dialling
+  it with backoff, so the two halves of a split find each other again with nobody's help.
+- The run is judged against every peer seen live within `forget_after`, not against the shrunken live set.
+
+The table is owned by the daemon's event loop: only coroutines and callbacks on that loop call the methods below.
+Other threads read the immutable `View` published by `snapshot()`.
 """
 
 from __future__ import annotations
@@ -11,10 +20,23 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from peerd.identity import peer_id_of
+from peerd.identity import peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
 MAX_PEERS = 4096  # a gossip message with more entries than this is refused rather than stored
+ENTRY_DOMAIN = b"peerd/peerinfo/v1"
+
+
+def entry_bytes(info: pb.PeerInfo, run_id: bytes) -> bytes:
+    """What a peer signs about itself: its entry with the signature cleared, bound to the run."""
+    body = pb.PeerInfo()
+    body.CopyFrom(info)
+    body.ClearField("signature")
+    return ENTRY_DOMAIN + run_id + body.SerializeToString(deterministic=True)
+
+
+def entry_is_signed(info: pb.PeerInfo, run_id: bytes) -> bool:
+    return verify(info.public_key, info.signature, entry_bytes(info, run_id))
 
 
 @dataclass
@@ -23,17 +45,42 @@ class Entry:
     last_advance: float  # local monotonic time at which the heartbeat last advanced
     first_seen: float
     unreachable_until: float = 0.0  # set when we failed to dial it; cleared when its heartbeat advances again
+    step_hint: int = -1  # outer step we know it finished (it was in our round), ahead of its gossip
+
+
+@dataclass(frozen=True)
+class View:
+    """An immutable copy of the table for threads other than the event loop (metrics, progress, status)."""
+
+    alive: tuple[pb.PeerInfo, ...]
+    known: int
+    expected: tuple[str, ...]
 
 
 class Membership:
-    def __init__(self, self_info: pb.PeerInfo, peer_timeout: float, settle_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        self_info: pb.PeerInfo,
+        peer_timeout: float,
+        settle_s: float = 3.0,
+        *,
+        run_id: bytes = b"",
+        sign: Callable[[bytes], bytes] | None = None,
+        forget_after: float = 300.0,
+    ) -> None:
         self.me = self_info
         self.peer_timeout = peer_timeout
         self.settle_s = settle_s
+        self.run_id = run_id
+        self.forget_after = forget_after
+        self._sign = sign
+        self._signed_body = b""
         self.entries: dict[str, Entry] = {}
+        self.forged = 0  # entries refused because their signature does not check out
         # Peers we refuse to count as live although their heartbeat advances: banned by us, or reported banned by a
         # majority of the swarm (peerd/robust.py). Set by the daemon.
         self.excluded: Callable[[str], bool] = lambda peer_id: False
+        self.view = View((), 0, ())
 
     @property
     def self_id(self) -> str:
@@ -43,8 +90,18 @@ class Membership:
         """Advance our own heartbeat; called once per gossip interval."""
         self.me.heartbeat += 1
 
+    def signed_self(self) -> pb.PeerInfo:
+        """Our own entry, re-signed if anything in it changed since the last signature."""
+        if self._sign is not None:
+            body = entry_bytes(self.me, self.run_id)
+            if body != self._signed_body or not self.me.signature:
+                self.me.signature = self._sign(body)
+                self._signed_body = body
+        return self.me
+
     def merge(self, infos: Iterable[pb.PeerInfo], now: float | None = None) -> list[str]:
-        """Fold gossiped entries into the table; returns ids of peers we had never seen."""
+        """Fold gossiped entries into the table; returns ids of peers we had never seen. An entry that would change
+        the table must carry its subject's signature; forged ones are counted in `forged` and dropped."""
         now = time.monotonic() if now is None else now
         new: list[str] = []
         for info in infos:
@@ -52,16 +109,31 @@ class Membership:
             if pid == self.me.peer_id or len(info.public_key) != 32 or peer_id_of(info.public_key) != pid:
                 continue  # never let gossip overwrite our own entry, and ignore entries whose id is not their key's
             cur = self.entries.get(pid)
+            if cur is not None and (info.incarnation, info.heartbeat) <= (cur.info.incarnation, cur.info.heartbeat):
+                continue
+            if cur is None and len(self.entries) >= MAX_PEERS and not self._evict_one():
+                continue
+            if self._sign is not None and not entry_is_signed(info, self.run_id):
+                self.forged += 1
+                continue
             if cur is None:
-                if len(self.entries) >= MAX_PEERS:
-                    continue
                 self.entries[pid] = Entry(_copy(info), now, now)
                 new.append(pid)
-            elif (info.incarnation, info.heartbeat) > (cur.info.incarnation, cur.info.heartbeat):
+            else:
+                if now - cur.last_advance >= self.peer_timeout:
+                    cur.first_seen = now  # back from the dead: it must settle again before it may lead
                 cur.info = _copy(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
         return new
+
+    def _evict_one(self) -> bool:
+        """Make room by dropping the longest-dead entry (the table is full of live peers otherwise)."""
+        dead = [(e.last_advance, pid) for pid, e in self.entries.items() if not self.is_alive(pid)]
+        if not dead:
+            return False
+        del self.entries[min(dead)[1]]
+        return True
 
     def mark_unreachable(self, peer_id: str, now: float | None = None) -> None:
         """We could not dial this peer: treat it as dead until its heartbeat advances again."""
@@ -71,15 +143,31 @@ class Membership:
             entry.unreachable_until = now + self.peer_timeout
 
     def mark_left(self, info: pb.PeerInfo, now: float | None = None) -> None:
-        """A signed Leave: keep the peer as a tombstone (with its final heartbeat) so gossip spreads the leave and
+        """A signed Leave: keep the peer's own signed leaving entry as a tombstone so gossip spreads the leave and
         stale entries cannot revive it."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(info.peer_id)
-        if entry is not None and info.public_key == entry.info.public_key:
-            entry.info.left = True
-            if (info.incarnation, info.heartbeat) > (entry.info.incarnation, entry.info.heartbeat):
-                entry.info.incarnation, entry.info.heartbeat = info.incarnation, info.heartbeat
-            entry.last_advance = now
+        if entry is None or not info.left or info.public_key != entry.info.public_key:
+            return
+        if (info.incarnation, info.heartbeat) <= (entry.info.incarnation, entry.info.heartbeat):
+            return
+        if self._sign is not None and not entry_is_signed(info, self.run_id):
+            self.forged += 1
+            return
+        entry.info = _copy(info)
+        entry.last_advance = now
+
+    def note_step(self, peer_id: str, step: int) -> None:
+        """`peer_id` finished `step` with us (it was in our round): its gossip will say so later."""
+        entry = self.entries.get(peer_id)
+        if entry is not None:
+            entry.step_hint = max(entry.step_hint, step)
+
+    def step_of(self, info: pb.PeerInfo) -> int:
+        """The newest outer step we know `info`'s peer finished: its gossip, or a round we shared."""
+        entry = self.entries.get(info.peer_id)
+        hint = entry.step_hint if entry is not None else -1
+        return max(info.outer_step, hint)
 
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:
@@ -112,6 +200,27 @@ class Membership:
         out.append(self.me)
         return sorted(out, key=lambda p: p.peer_id)
 
+    def dead(self, now: float | None = None) -> list[pb.PeerInfo]:
+        """Peers that went silent without leaving: peerd/redial.py keeps dialling them."""
+        now = time.monotonic() if now is None else now
+        return [
+            e.info
+            for pid, e in self.entries.items()
+            if not e.info.left and not self.excluded(pid) and not self.is_alive(pid, now)
+        ]
+
+    def expected(self, now: float | None = None) -> list[str]:
+        """Whom the run expects in a round: ourselves, live peers, and peers seen live within `forget_after` that
+        neither left nor finished. A round without some of them is partial, however few peers are live now."""
+        now = time.monotonic() if now is None else now
+        out = [self.me.peer_id]
+        for pid, e in self.entries.items():
+            if e.info.left or e.info.finished or self.excluded(pid):
+                continue
+            if self.is_alive(pid, now) or now - e.last_advance < self.forget_after:
+                out.append(pid)
+        return sorted(out)
+
     def at_address(self, address: str) -> pb.PeerInfo | None:
         """The live peer gossip says listens at `address` (the freshest one if several claim it)."""
         found = [e for e in self.entries.values() if e.info.address == address and not e.info.left]
@@ -124,22 +233,20 @@ class Membership:
         return e.info if e else None
 
     def gossip_view(self, now: float | None = None) -> list[pb.PeerInfo]:
-        """What we tell others: ourselves, live peers, and recent tombstones (so leaves spread)."""
+        """What we tell others: ourselves (freshly signed), live peers, and recent tombstones (so leaves spread).
+        Dead entries are kept but not gossiped: each peer re-dials the dead itself."""
         now = time.monotonic() if now is None else now
-        out = [self.me]
+        out = [self.signed_self()]
         for e in self.entries.values():
             age = now - e.last_advance
             if age < self.peer_timeout or (e.info.left and age < 3 * self.peer_timeout):
                 out.append(e.info)
         return out
 
-    def prune(self, now: float | None = None) -> list[str]:
-        """Forget peers silent for 3x the timeout; returns their ids."""
-        now = time.monotonic() if now is None else now
-        gone = [pid for pid, e in self.entries.items() if now - e.last_advance > 3 * self.peer_timeout]
-        for pid in gone:
-            del self.entries[pid]
-        return gone
+    def snapshot(self, now: float | None = None) -> View:
+        """Publish an immutable view for other threads (called on the loop after every gossip tick)."""
+        self.view = View(tuple(_copy(p) for p in self.alive(now)), len(self.entries) + 1, tuple(self.expected(now)))
+        return self.view
 
 
 def _copy(info: pb.PeerInfo) -> pb.PeerInfo:

@@ -66,6 +66,7 @@ REJECT_REASONS = (
     "not_admitted",
     "unsigned",
     "forged",
+    "forged_entry",
     "stale",
     "truncated",
     "timeout",
@@ -169,6 +170,32 @@ class PeerMetrics:
         self.alive_peers = Gauge(
             "peerd_alive_peers", "Peers seen alive recently, this one included.", registry=registry
         )
+        self.expected_peers = Gauge(
+            "peerd_expected_peers",
+            "Peers the run expects in a round: live, or seen live within network.forget_after (this one included).",
+            registry=registry,
+        )
+        self.alone = Gauge(
+            "peerd_training_alone",
+            "1 while this peer takes outer steps with no other peer (a split, or everyone else gone).",
+            registry=registry,
+        )
+        self.state_downloads = Counter(
+            "peerd_state_downloads",
+            "Times this peer adopted another peer's state, by why: behind, fork (lost the split-brain rule), start.",
+            ["why"],
+            registry=registry,
+        )
+        self.redials = Counter(
+            "peerd_redials",
+            "Dials of dead peers and bootstrap addresses (network.redial_max backoff).",
+            registry=registry,
+        )
+        self.work = Gauge(
+            "peerd_state_work",
+            "Peer-rounds behind this peer's global state (the split-brain rule's weight).",
+            registry=registry,
+        )
 
         # Compute.
         self.compute_idle_seconds = Counter(
@@ -191,6 +218,8 @@ class PeerMetrics:
             self.failures.labels(reason=reason)
         for reason in REJECT_REASONS:
             self.rejected_messages.labels(reason=reason)
+        for why in ("behind", "fork", "start"):
+            self.state_downloads.labels(why=why)
 
     def record_sent(self, kind: str, raw_bytes: int, wire_bytes: int) -> None:
         """Count one outgoing transfer; also sets the compression ratio, since that is the codec's effect."""

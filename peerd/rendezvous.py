@@ -2,8 +2,9 @@
 
 The leader of a round is the settled live peer with the lowest id (see Membership.settled). It is only a
 coordinator: it holds no data and any live peer can take the role, so its death costs one retry, not the run. A peer
-asked to lead while it knows a lower-id settled peer redirects to it; ids strictly decrease along redirects, so they
-cannot loop. The leader closes a group when every expected peer (live, at step t, not suspected) has joined, or when
+asked to lead while it knows any lower-id live peer, settled or not, redirects to it; ids strictly decrease along
+redirects, so they cannot loop, and a peer that only just joined cannot make two leaders out of peers whose settle
+windows differ. The leader closes a group when every expected peer (live, at step t, not suspected) has joined, or when
 the rendezvous deadline passes; members beyond that are told they are behind and must resync state.
 """
 
@@ -21,7 +22,8 @@ from peerd.v1 import peerd_pb2 as pb
 
 @dataclass
 class _Pending:
-    key: tuple[int, int, int]  # (step, fragment, attempt)
+    key: tuple[int, int]  # (step, fragment)
+    generation: int  # the leader's count of groups for this key (a retry after a failed round is the next one)
     expected: set[str]
     joined: dict[str, pb.PeerInfo] = field(default_factory=dict)
     deadline: float = 0.0
@@ -39,7 +41,12 @@ class Behind(Exception):
 
 
 class RendezvousLeader:
-    """Leader-side bookkeeping: pending groups per (step, fragment, attempt)."""
+    """Leader-side bookkeeping: at most one open group per (step, fragment).
+
+    Members' attempt counters are not part of the key: a retry after a failed round opens the next group only when a
+    member names the group it failed in (`failed_round`), and every other request for the step joins the open group.
+    So honest peers cannot form two groups for one step here, whatever their attempt counters say.
+    """
 
     def __init__(
         self,
@@ -52,43 +59,41 @@ class RendezvousLeader:
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.my_step = my_step
-        self.pending: dict[tuple[int, int, int], _Pending] = {}
-        self.closed: dict[tuple[int, int, int], pb.Group] = {}
+        self.pending: dict[tuple[int, int], _Pending] = {}
+        self.closed: dict[tuple[int, int], pb.Group] = {}
+        self.refused: dict[tuple[int, int], set[str]] = {}  # the leader's own blame, kept across generations
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
 
-    def leader_for(self) -> pb.PeerInfo:
-        return self.membership.settled()[0]
-
     async def join(
-        self, step: int, fragment: int, attempt: int, info: pb.PeerInfo, suspects: list[str]
+        self,
+        step: int,
+        fragment: int,
+        info: pb.PeerInfo,
+        suspects: list[str],
+        failed_round: bytes = b"",
+        behind_me: bool = False,
     ) -> pb.RendezvousResponse:
-        """Register `info` for the round and wait until its group closes."""
+        """Register `info` for the round and wait until its group closes. `behind_me`: the caller's state ranks
+        below ours and our step is ahead of its step, so its round is already done (peerd/consistency.py)."""
         self.newest_step = max(self.newest_step, step)
-        key = (step, fragment, attempt)
-        done = self.closed.get(key)
-        if done is not None:
-            if any(m.peer_id == info.peer_id for m in done.members):
-                return pb.RendezvousResponse(group=done)
-            return pb.RendezvousResponse(behind=step + 1)
-        if fragment < 0 and step < self.my_step():
-            return pb.RendezvousResponse(behind=self.my_step())
+        key = (step, fragment)
         pend = self.pending.get(key)
         if pend is None:
-            loop = asyncio.get_running_loop()
-            expected = {
-                p.peer_id
-                for p in self.membership.alive()
-                # peers at step-1 may have finished that round a moment ago without gossip saying so yet
-                if p.outer_step in (step - 1, step) and not p.left and p.peer_id not in suspects
-            }
-            pend = _Pending(key, expected, deadline=time.monotonic() + self.timeout_s, result=loop.create_future())
-            self.pending[key] = pend
-            loop.call_later(self.timeout_s, self._on_deadline, key)
+            done = self.closed.get(key)
+            if done is not None and failed_round != done.round_id:
+                if any(m.peer_id == info.peer_id for m in done.members):
+                    return pb.RendezvousResponse(group=done)
+                return pb.RendezvousResponse(behind=step + 1)
+            if fragment < 0 and behind_me:
+                return pb.RendezvousResponse(behind=self.my_step())
+            pend = self._open(key, 0 if done is None else done.attempt + 1, suspects)
         if info.peer_id == self.membership.self_id:
             # The leader's own blame (from its failed attempts at this step) keeps those peers out of the group even
             # if they ask to join: a corrupt sender otherwise rejoined every retry until it was banned. A joiner's
             # blame only stops us waiting for the peer it names, so a hostile joiner cannot exclude anyone.
-            pend.refused |= set(suspects) - {info.peer_id}
+            refused = self.refused.setdefault(key, set())
+            refused |= set(suspects) - {info.peer_id}
+            pend.refused |= refused
             for pid in pend.refused:
                 pend.joined.pop(pid, None)
         pend.expected -= set(suspects)
@@ -103,6 +108,28 @@ class RendezvousLeader:
             return pb.RendezvousResponse(behind=step + 1)
         return pb.RendezvousResponse(group=group)
 
+    def _open(self, key: tuple[int, int], generation: int, suspects: list[str]) -> _Pending:
+        step = key[0]
+        loop = asyncio.get_running_loop()
+        m = self.membership
+        expected = {
+            p.peer_id
+            for p in m.alive()
+            # peers at step-1 may have finished that round a moment ago without gossip saying so yet
+            if m.step_of(p) in (step - 1, step) and not p.left and not p.finished and p.peer_id not in suspects
+        }
+        pend = _Pending(
+            key,
+            generation,
+            expected,
+            deadline=time.monotonic() + self.timeout_s,
+            result=loop.create_future(),
+            refused=set(self.refused.get(key, ())),
+        )
+        self.pending[key] = pend
+        loop.call_later(self.timeout_s, self._on_deadline, key, pend)
+        return pend
+
     def on_ahead(self, step: int) -> None:
         """Someone asked about a later step: pending groups for earlier steps cannot be the swarm's round; close them
         empty so their members resync instead of applying a round the rest of the swarm never saw."""
@@ -112,30 +139,29 @@ class RendezvousLeader:
                 pend.joined.clear()
                 self._close(key)
 
-    def _on_deadline(self, key: tuple[int, int, int]) -> None:
+    def _on_deadline(self, key: tuple[int, int], pend: _Pending) -> None:
         """Close at the deadline, unless fewer than a majority of the live expected peers joined: then wait up to
         two more deadlines, so a minority that was quicker (e.g. after a failed round) cannot move the swarm's
         state ahead on its own and make the majority download it."""
-        pend = self.pending.get(key)
-        if pend is None:
+        if self.pending.get(key) is not pend:
             return
         alive = {p.peer_id for p in self.membership.alive()}
         pend.expected = {p for p in pend.expected if p in alive} | set(pend.joined)
         if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:
             pend.extensions += 1
-            asyncio.get_running_loop().call_later(self.timeout_s, self._on_deadline, key)
+            asyncio.get_running_loop().call_later(self.timeout_s, self._on_deadline, key, pend)
             return
         self._close(key)
 
-    def _close(self, key: tuple[int, int, int]) -> None:
+    def _close(self, key: tuple[int, int]) -> None:
         pend = self.pending.pop(key, None)
         if pend is None or pend.result is None or pend.result.done():
             return
         members = sorted(pend.joined.values(), key=lambda p: p.peer_id)
-        step, fragment, attempt = key
+        step, fragment = key
         group = pb.Group(
             step=step,
-            attempt=attempt,
+            attempt=pend.generation,
             fragment=fragment,
             members=members,
             expected=sorted(pend.expected),
@@ -146,11 +172,12 @@ class RendezvousLeader:
         if len(self.closed) > 256:  # keep a bounded history
             for old in sorted(self.closed)[:64]:
                 del self.closed[old]
+                self.refused.pop(old, None)
         pend.result.set_result(group)
 
 
 def round_id(run_id: bytes, group: pb.Group) -> bytes:
-    """A round's id binds run, step, fragment, attempt and the ordered member list."""
+    """A round's id binds run, step, fragment, the leader's generation, the leader and the ordered member list."""
     h = hashlib.sha256(run_id)
     h.update(f"{group.step}/{group.fragment}/{group.attempt}/{group.leader}".encode())
     for m in group.members:

@@ -48,13 +48,12 @@ class MembershipService(rpc.MembershipServicer):
                 "Join: the peer info does not belong to the signing key",
             )
         await self.d.admit(request, context)
-        joiner = pb.PeerInfo()
-        joiner.CopyFrom(request.self)
         observed = _observed_host(context.peer())
-        if _unspecified(joiner.address) and observed:
-            joiner.address = f"{observed}:{joiner.address.rsplit(':', 1)[-1]}"
         self.d.adopt_address(request.dialed_address)
-        self.d.membership.merge([joiner])
+        # The joiner's entry is signed by the joiner, so we store it as sent. One that does not know its address yet
+        # learns it from `observed_address` below and gossips a re-signed entry moments later.
+        if not _unspecified(request.self.address):
+            self.d.merge_gossip([request.self])
         self.d.log(f"peer {sender[:8]} joined from {request.self.address}")
         return pb.JoinResponse(
             run_id=self.d.run_id,
@@ -78,7 +77,7 @@ class MembershipService(rpc.MembershipServicer):
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
         await self.d.verify(request, "Gossip", context)
-        self.d.membership.merge(request.peers)
+        self.d.merge_gossip(request.peers)
         return pb.GossipResponse(peers=self.d.membership.gossip_view())
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:

@@ -25,10 +25,11 @@ class StateSnapshot:
 
     step: int
     tensors: dict[str, torch.Tensor]
+    work: int = 0  # peer-rounds behind this state (peerd/consistency.py)
 
     @property
     def digest(self) -> bytes:
-        return state_digest(self.step, self.tensors)
+        return state_digest(self.step, self.tensors, self.work)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytearray:
@@ -39,9 +40,9 @@ def tensor_bytes(t: torch.Tensor) -> bytearray:
     return buf
 
 
-def state_digest(step: int, tensors: dict[str, torch.Tensor]) -> bytes:
-    """SHA-256 over step, names and bytes: peers at the same step must report the same digest."""
-    h = hashlib.sha256(str(step).encode())
+def state_digest(step: int, tensors: dict[str, torch.Tensor], work: int = 0) -> bytes:
+    """SHA-256 over step, work, names and bytes: peers at the same step must report the same digest."""
+    h = hashlib.sha256(f"{step}/{work}".encode())
     for name in sorted(tensors):
         h.update(name.encode())
         h.update(tensor_bytes(tensors[name]))
@@ -60,6 +61,7 @@ def state_messages(snapshot: StateSnapshot, identity: Identity, chunk_bytes: int
         tensors=[pb.TensorSpec(name=n, shape=list(snapshot.tensors[n].shape), dtype="float32") for n in names],
         total_bytes=sum(len(b) for b in blobs),
         state_digest=snapshot.digest,
+        work=snapshot.work,
     )
     yield pb.StateMessage(header=header)
     for blob in blobs:
@@ -125,7 +127,7 @@ async def read_state(
     d = digest.digest()
     if trailer.digest != d or not verify(sender_key, trailer.signature, d):
         raise StreamError("bad_signature", "state payload does not match the sender's signed digest")
-    snap = StateSnapshot(header.outer_step, tensors)
+    snap = StateSnapshot(header.outer_step, tensors, int(header.work))
     if snap.digest != header.state_digest:
         raise StreamError("bad_digest", "state digest does not match its contents")
     return snap

@@ -30,9 +30,9 @@ Keeping every peer's global copy bit-identical:
   inner step after the round lands (counted in ``merges_skipped``). Deferred rather than dropped, so that on
   a persistently slow link local fragments are still pulled towards the global ones.
 * A peer left out of a round (`Behind`), one that resumed or downloaded state (it cannot take part in the
-  rounds the swarm started at that boundary), one whose published state digest differs from the one most
-  peers at the same outer step publish, or one that sees the swarm a cycle ahead, downloads the swarm's
-  state again at its next cycle boundary. A failed round (`RoundFailed`) is all-or-nothing, so it changes
+  rounds the swarm started at that boundary), or one whose state is outranked by a live peer's at a cycle
+  boundary (the swarm is ahead, or a diverged half holds more work: peerd/consistency.py), downloads the
+  canonical state at its next cycle boundary. A failed round (`RoundFailed`) is all-or-nothing, so it changes
   nobody's global copy; the digest check catches the rare case where it changed some.
 
 Fault injection for tests: ``PEERD_FAULT_EXCHANGE_DELAY_S=2.0`` makes every fragment exchange count as landed
@@ -294,7 +294,6 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.s = 0  # inner steps completed, in the swarm's timeline
         self.needs_resync = False
         self._reloaded = False  # state replaced from outside (checkpoint resume, joiner download)
-        self._cycle_checked = -1  # outer step whose digest agreement was last confirmed
         if self.fault_delay:
             log.warning("fault injection: exchanges land >= %.2fs after they start", self.fault_delay)
         if not self.schedule.boundary_wait_free():
@@ -340,8 +339,6 @@ class StreamingDiLoCo(OuterAlgorithm):
         boundary = self.schedule.is_boundary(s)
         if boundary:
             self._finish_cycle(worker, s)
-        elif s % self.H >= self.H // 2:
-            self._check_digests(worker)
         self._forget_done()
         final = boundary and self.target > 0 and worker.outer_step >= self.target
         if not final:  # the last cycle starts no exchange: nobody would apply it
@@ -355,14 +352,26 @@ class StreamingDiLoCo(OuterAlgorithm):
                 self._block(worker, ex, "boundary")
             if ex.merge_pending and (ex.late or ex.merge_at <= s):
                 self._merge(ex)
-        k = s // self.H
-        ahead = self._swarm_ahead(worker)
-        if ahead > k:
-            log.warning("the swarm is at outer step %d, we are finishing %d: downloading its state", ahead, k)
+        worker.outer_step = s // self.H
+        # Publish the quiesced state first, so the split-brain rule compares the claim of the state we now hold
+        # (peerd/consistency.py): a swarm ahead of us, or a diverged half with more work, makes us download.
+        worker.publish()
+        best = worker.daemon.canonical()
+        if best is not None:
+            log.warning(
+                "peer %s holds outer step %d with %d peer-rounds of work, we hold step %d with %d: adopting its state",
+                best.peer_id[:8],
+                best.step,
+                best.work,
+                worker.outer_step,
+                self.work,
+            )
             self.needs_resync = True
-        worker.outer_step = k
+        fork = best is not None and best.step <= worker.outer_step
+        if fork:
+            self.stats.digest_mismatches += 1
         if self.needs_resync:
-            self._resync(worker, max(k, ahead))
+            self._resync(worker, fork=fork)
         log.info(
             "streaming cycle %d: %d syncs, %d applied, merges %d on time/%d skipped, %.2fs idle, %d resyncs",
             worker.outer_step,
@@ -383,6 +392,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             record = SyncRecord(fragment=p, step=step, s=s, t_start=time.time())
             future = worker.daemon.allreduce_async(step, pseudo, fragment=p)
             future.add_done_callback(lambda f, step=step: self._note_members(worker.daemon, step, f))
+
             ready_at = time.monotonic() + self.fault_delay
             self.pending[p] = _Exchange(record, self.schedule.merge_at(s), future, ready_at)
             self.stats.syncs_started += 1
@@ -399,10 +409,7 @@ class StreamingDiLoCo(OuterAlgorithm):
 
         def note() -> None:
             for pid in included:
-                info = daemon.membership.get(pid)
-                if info is not None and pid != daemon.identity.peer_id and step > info.outer_step:
-                    info.outer_step = step
-                    info.state_digest = b""  # the digest gossiped with the old step is not this step's
+                daemon.membership.note_step(pid, step)
 
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody needs the note
             daemon.loop.call_soon_threadsafe(note)
@@ -446,6 +453,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             log.warning("fragment %d round %d returned an unusable average: %s", p, rec.step, exc)
             return
         st = result.stats
+        self.work += len(set(result.included))
         rec.outcome = "applied"
         rec.digest = fragment_digest(new_global)
         rec.included = len(result.included)
@@ -471,64 +479,16 @@ class StreamingDiLoCo(OuterAlgorithm):
             del self.pending[p]
 
     # -- staying consistent with the swarm -------------------------------------------------------------------
-    def _swarm_view(self, worker: Worker) -> list[tuple[str, int, bytes]]:
-        """(peer id, outer step, state digest) of the other live peers, read on the daemon loop."""
-        daemon = worker.daemon
-
-        async def view() -> list[tuple[str, int, bytes]]:
-            peers = daemon.membership.alive(include_self=False)
-            return [(p.peer_id, p.outer_step, bytes(p.state_digest)) for p in peers]
-
-        try:
-            return daemon.call(view(), timeout=5.0)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            return []
-
-    def _swarm_ahead(self, worker: Worker) -> int:
-        return max((step for _, step, _ in self._swarm_view(worker)), default=-1)
-
-    def _check_digests(self, worker: Worker) -> None:
-        """Compare the state we published for this outer step with what the other peers at that step
-        published.
-
-        The digest most peers report is canonical (ties: the one the lowest peer id reports), so every peer
-        reaches the same verdict from the same gossip and at least one group never resyncs.
-        """
-        k = worker.outer_step
-        if self.needs_resync or self._cycle_checked == k:
-            return
-        me = worker.daemon.me
-        mine, my_id = bytes(me.state_digest), me.peer_id
-        if me.outer_step != k or not mine:
-            return  # our own publish has not reached the loop yet
-        others = [(pid, d) for pid, step, d in self._swarm_view(worker) if step == k and d]
-        if not others:
-            return
-        holders: dict[bytes, list[str]] = {}
-        for pid, d in [(my_id, mine), *others]:
-            holders.setdefault(d, []).append(pid)
-        canonical = min(holders, key=lambda d: (-len(holders[d]), min(holders[d])))
-        if canonical != mine:
-            self.stats.digest_mismatches += 1
-            self.needs_resync = True
-            log.warning(
-                "our state at outer step %d differs from %d of %d peers: resync at the cycle end",
-                k,
-                len(holders[canonical]),
-                len(others),
-            )
-        self._cycle_checked = k
-
-    def _resync(self, worker: Worker, min_step: int) -> None:
+    def _resync(self, worker: Worker, fork: bool = False) -> None:
         """Download the swarm's state (published at a cycle boundary, so quiescent) and go on from there.
 
-        Like `Worker.resync`, but with a deadline of about one rendezvous: the peers we lag behind publish
-        `min_step` at their own boundary, so if nobody serves it by then they have left or moved on, and we
+        Like `Worker.resync`, but with a deadline of about one rendezvous: the peers whose state outranks ours
+        publish it at their own boundary, so if nobody serves it by then they have left or moved on, and we
         train on and try again at the next boundary instead of blocking for minutes.
         """
         daemon = worker.daemon
-        if not self._swarm_view(worker):
-            log.warning("no other live peer to download state from: going on with our own state")
+        if daemon.canonical() is None:
+            log.info("no live peer holds a better state than ours: going on with our own")
             self.needs_resync = False
             return
         numel = worker.layout.numel
@@ -536,11 +496,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         t0 = time.perf_counter()
         try:
             snap = daemon.fetch_state(
-                min_step, {"params": (numel,), "outer_momentum": (numel,)}, timeout=self.resync_timeout
+                -1, {"params": (numel,), "outer_momentum": (numel,)}, timeout=self.resync_timeout, better=True
             )
-            self.load_state_tensors(worker, snap.tensors)
+            worker.adopt(snap, "fork" if fork else "behind")
         except (RoundFailed, ValueError) as exc:
-            # Nobody published min_step: the swarm is not ahead of us after all (a whole swarm restarted from
+            # Nobody served the better state: the swarm is not ahead of us after all (a whole swarm restarted from
             # checkpoints, say). The digest check flags us again if we really differ.
             log.warning("could not download the swarm's state (%s); going on with our own", exc)
             self.needs_resync = False
@@ -548,7 +508,6 @@ class StreamingDiLoCo(OuterAlgorithm):
         finally:
             worker.add_idle(time.perf_counter() - t0)
             daemon.status.state = "training"
-        worker.outer_step = snap.step
         self._reloaded = False
         self.needs_resync = False
         self.s = snap.step * self.H

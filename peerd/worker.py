@@ -142,14 +142,24 @@ class Worker:
         if self.daemon.metrics is not None:
             self.daemon.metrics.record_idle(seconds)
 
-    def resync(self, min_step: int) -> bool:
-        """Download the swarm's global state and continue from it (our local progress since the last sync is lost).
-        If no live peer can serve it, keep our own state and go on training: the next round or gossip will tell."""
+    @property
+    def ranked(self) -> bool:
+        """DiLoCo and Streaming hold one model per run, so states are ranked (peerd/consistency.py); NoLoCo's slow
+        weights differ by design and a peer that fell behind simply takes the newest."""
+        return self.cfg.run.algorithm in ("diloco", "streaming")
+
+    def resync(self, min_step: int, why: str = "behind") -> bool:
+        """Adopt the canonical global state and continue from it (local progress since the last sync is lost). For
+        ranked algorithms only a state whose claim outranks ours is adopted. If nobody can serve one, keep our own
+        state and go on training: the next round or gossip will tell."""
         self.daemon.status.state = "syncing"
         t0 = time.perf_counter()
         shapes = {k: tuple(v.shape) for k, v in self.algorithm.state_tensors().items()}
         try:
-            snap = self.daemon.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout)
+            if self.ranked and self.daemon.canonical(min_step) is None:
+                log.info("no live peer holds a better state than ours (step %d): keeping it", self.outer_step)
+                return False
+            snap = self.daemon.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout, better=self.ranked)
         except RoundFailed as exc:
             log.warning("could not download state (%s); continuing from our own state at step %d", exc, self.outer_step)
             self.daemon.count_failure("state_download")
@@ -157,21 +167,95 @@ class Worker:
         finally:
             self.add_idle(time.perf_counter() - t0)
             self.daemon.status.state = "training"
-        self.algorithm.load_state_tensors(self, snap.tensors)
-        self.outer_step = snap.step
+        self.adopt(snap, why)
         return True
+
+    def adopt(self, snap: StateSnapshot, why: str) -> None:
+        """Take a downloaded state as ours. `why`: behind, fork or start (counted in status and metrics)."""
+        if why == "fork":
+            self.daemon.status.forks_healed += 1
+        if self.daemon.metrics is not None:
+            self.daemon.metrics.state_downloads.labels(why=why).inc()
+        self.algorithm.load_state_tensors(self, snap.tensors)
+        self.algorithm.work = snap.work
+        self.outer_step = snap.step
+
+    def heal(self) -> bool:
+        """If a live peer's state outranks ours, adopt it: the split-brain rule, also catching up when behind.
+        Returns True when our state changed."""
+        if not self.ranked:
+            return False
+        best = self.daemon.canonical()
+        if best is None:
+            return False
+        forked = best.step <= self.outer_step
+        log.warning(
+            "%s: peer %s holds step %d with %d peer-rounds of work, we hold step %d with %d: adopting its state",
+            "split-brain: our state lost to a diverged one" if forked else "the swarm is ahead of us",
+            best.peer_id[:8],
+            best.step,
+            best.work,
+            self.outer_step,
+            self.algorithm.work,
+        )
+        if self.resync(-1, why="fork" if forked else "behind"):
+            self.publish()
+            return True
+        return False
+
+    def catch_up(self) -> None:
+        """At start (fresh, resumed or restarted): adopt the newest canonical state any live peer announced, and say
+        so when there is none, rather than train alone in silence."""
+        if self.ranked:
+            if self.heal():
+                return
+        else:
+            ahead = self.daemon.swarm_step()
+            if ahead > self.outer_step:
+                log.info("swarm is at outer step %d, we are at %d: downloading state", ahead, self.outer_step)
+                if self.resync(ahead, why="start"):
+                    self.publish()
+                return
+        live, expected = self.daemon.run_peers()
+        if live == 0 and self.daemon.bootstrap:
+            log.warning(
+                "no live peer announced a state (%d known, none reachable now): starting from our own state at outer "
+                "step %d; steps taken alone are counted as solo steps",
+                expected,
+                self.outer_step,
+            )
+
+    def linger(self, stop: threading.Event) -> bool:
+        """After the last outer step, keep serving our state for up to network.linger seconds, until every peer the
+        run expects finished with the same state, so a peer restarting at the very end can still fetch it. A better
+        state seen meanwhile (a split healed late) is adopted. Returns True when that sends us back to training."""
+        self.publish(finished=True)
+        deadline = time.monotonic() + self.cfg.network.linger
+        interval = self.cfg.network.gossip_interval
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self.heal():
+                target = self.cfg.run.outer_steps
+                if self.outer_step < target:
+                    log.info("adopted state at step %d: training on to step %d", self.outer_step, target)
+                    return True
+                self.publish(finished=True)
+            elif self.daemon.all_finished():
+                return False
+            stop.wait(interval)
+        return False
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self.resume()
         self.publish()
-        ahead = self.daemon.swarm_step()
-        if ahead > self.outer_step and not stop.is_set():
-            log.info("swarm is at outer step %d, we are at %d: downloading state", ahead, self.outer_step)
-            self.resync(ahead)
-            self.publish()
+        if not stop.is_set():
+            self.catch_up()
         target = self.cfg.run.outer_steps
-        while not stop.is_set() and (target == 0 or self.outer_step < target):
+        while not stop.is_set():
+            if target > 0 and self.outer_step >= target:
+                if not self.linger(stop):
+                    break
+                continue
             self.train_one_inner_step()
             if self.algorithm.after_inner_step(self, self.inner_step - 1):
                 self.finish_outer_step()
@@ -252,8 +336,10 @@ class Worker:
         if self.on_outer_step is not None:
             self.on_outer_step(self)
 
-    def publish(self) -> None:
-        self.daemon.publish(StateSnapshot(self.outer_step, self.algorithm.state_tensors()))
+    def publish(self, finished: bool = False) -> None:
+        self.daemon.publish(
+            StateSnapshot(self.outer_step, self.algorithm.state_tensors(), self.algorithm.work), finished
+        )
 
     def write_summary(self) -> None:
         """A JSON summary of this peer's run, for `peerd demo` and benchmarks (written atomically at exit)."""
@@ -271,6 +357,9 @@ class Worker:
             "rounds_partial": st.rounds_partial,
             "rounds_failed": st.rounds_failed,
             "solo_steps": st.solo_steps,
+            "work": self.algorithm.work,
+            "state_downloads": st.state_downloads,
+            "forks_healed": st.forks_healed,
             "rejected_messages": st.rejected_messages,
             "rejected_contributions": st.rejected_contributions,
             "banned": self.daemon.bans.banned(),
@@ -300,6 +389,7 @@ class Worker:
             "run_id": self.daemon.run_id.hex(),
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
+            "work": self.algorithm.work,
             "global": self.algorithm.state_tensors(),
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "inner_opt": self.opt.state_dict(),
@@ -323,6 +413,7 @@ class Worker:
         self.sched.load_state_dict(state["sched"])
         self.outer_step = int(state["outer_step"])
         self.inner_step = int(state["inner_step"])
+        self.algorithm.work = int(state.get("work", 0))
         self.history = list(state.get("history", []))
         self.daemon.status.outer_step = self.outer_step
         log.info("resumed from checkpoint at outer step %d", self.outer_step)

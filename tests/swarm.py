@@ -33,6 +33,7 @@ TINY: dict[str, dict[str, Any]] = {
         "rendezvous_timeout": 8.0,
         "round_timeout": 20.0,
         "match_timeout": 3.0,
+        "linger": 5.0,
     },
 }
 

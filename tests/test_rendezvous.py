@@ -32,7 +32,7 @@ def test_the_leader_keeps_out_whom_it_blames_but_a_joiner_cannot_exclude_anyone(
         # leader, which saw `bad`'s corrupt frame in the failed attempt, comes last.
         joins = []
         for who, blames in ((bad, []), (a, [b.peer_id]), (b, [bad.peer_id]), (lead, [bad.peer_id])):
-            joins.append(asyncio.ensure_future(leader.join(0, -1, 1, who, blames)))
+            joins.append(asyncio.ensure_future(leader.join(0, -1, who, blames)))
             await asyncio.sleep(0)
         got = await asyncio.wait_for(asyncio.gather(*joins), 4.0)  # closes as soon as the expected peers are in
         bad_resp, a_resp, b_resp, lead_resp = got
@@ -40,6 +40,36 @@ def test_the_leader_keeps_out_whom_it_blames_but_a_joiner_cannot_exclude_anyone(
         group = lead_resp.group
         assert [x.peer_id for x in group.members] == sorted([lead.peer_id, a.peer_id, b.peer_id])
         assert a_resp.group == group and b_resp.group == group  # b joined although a blamed it
+
+    asyncio.run(main())
+
+
+def test_one_open_group_per_step_whatever_the_attempt_counters() -> None:
+    """Members at different attempt numbers still meet in one group; only naming the failed group opens the next,
+    and a late peer that was not in a closed group is told it is behind instead of opening a group of its own."""
+
+    async def main() -> None:
+        m, (lead, a, b, late) = _swarm()
+        m.mark_unreachable(late.peer_id)  # not expected: the first group closes once lead, a and b are in
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 0)
+        first = await asyncio.wait_for(asyncio.gather(*(leader.join(0, -1, who, []) for who in (lead, a, b))), 4.0)
+        group = first[0].group
+        assert all(r.group == group for r in first) and group.attempt == 0
+        # the round failed for everyone: a names it first, b comes back without naming it (an old client, or a
+        # member whose attempt counter says something else): both land in the same next group
+        retry = [asyncio.ensure_future(leader.join(0, -1, a, [], group.round_id))]
+        await asyncio.sleep(0)
+        retry += [asyncio.ensure_future(leader.join(0, -1, who, [])) for who in (b, lead)]
+        got = await asyncio.wait_for(asyncio.gather(*retry), 4.0)
+        second = got[0].group
+        assert second.attempt == 1 and second.round_id != group.round_id
+        assert all(r.group == second for r in got)
+        # a peer that was in neither group arrives after the step closed: behind, never a group of one
+        resp = await asyncio.wait_for(leader.join(0, -1, late, []), 1.0)
+        assert resp.WhichOneof("result") == "behind"
+        # a member asking again for the closed step gets its group back rather than a new one
+        again = await asyncio.wait_for(leader.join(0, -1, a, []), 1.0)
+        assert again.group == second
 
     asyncio.run(main())
 

@@ -23,7 +23,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class PeerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -46,7 +49,10 @@ class PeerInfo(_message.Message):
     incarnation: int
     suspects: _containers.RepeatedScalarFieldContainer[str]
     tls_cert: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ...) -> None: ...
+    work: int
+    finished: bool
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -127,7 +133,7 @@ class RoundSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history", "redacted", "banned", "rejected_contributions")
+    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +164,11 @@ class StatusResponse(_message.Message):
     REDACTED_FIELD_NUMBER: _ClassVar[int]
     BANNED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    STATE_DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
+    FORKS_HEALED_FIELD_NUMBER: _ClassVar[int]
+    ALONE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     address: str
@@ -188,7 +199,12 @@ class StatusResponse(_message.Message):
     redacted: bool
     banned: _containers.RepeatedScalarFieldContainer[str]
     rejected_contributions: int
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ...) -> None: ...
+    work: int
+    state_downloads: int
+    forks_healed: int
+    alone_since: str
+    expected: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ..., work: _Optional[int] = ..., state_downloads: _Optional[int] = ..., forks_healed: _Optional[int] = ..., alone_since: _Optional[str] = ..., expected: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OuterStepRecord(_message.Message):
     __slots__ = ("outer_step", "loss", "eval_loss", "tokens_per_second")
@@ -203,18 +219,24 @@ class OuterStepRecord(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("auth", "step", "attempt", "suspects", "fragment")
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     step: int
     attempt: int
     suspects: _containers.RepeatedScalarFieldContainer[str]
     fragment: int
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ...) -> None: ...
+    failed_round: bytes
+    work: int
+    state_digest: bytes
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader")
@@ -325,18 +347,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale")
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale", "work")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     INNER_LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     state_digest: bytes
     inner_lr_scale: float
-    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ...) -> None: ...
+    work: int
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ..., work: _Optional[int] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

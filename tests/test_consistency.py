@@ -1,0 +1,113 @@
+"""The pieces of "one model per run" that need no network: signed membership entries, the dead-peer list and the
+run's expected set (peerd/membership.py), the split-brain rule (peerd/consistency.py) and re-dial backoff
+(peerd/redial.py). The real-process scenarios are in tests/test_partition.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from peerd.consistency import AloneTracker, Claim, best_claim
+from peerd.identity import Identity
+from peerd.membership import Membership
+from peerd.redial import Redialer
+from peerd.v1 import peerd_pb2 as pb
+
+RUN = b"r" * 32
+
+
+def _peer(ident: Identity, hb: int = 1, **kw) -> Membership:
+    """A peer's own table, so its signed_self() is a correctly signed entry."""
+    info = pb.PeerInfo(peer_id=ident.peer_id, public_key=ident.public_key, heartbeat=hb, address="h:1", **kw)
+    return Membership(info, peer_timeout=5.0, settle_s=0.0, run_id=RUN, sign=ident.sign, forget_after=60.0)
+
+
+def test_entries_must_be_signed_by_the_peer_they_describe() -> None:
+    me, a, mallory = Identity.generate(), Identity.generate(), Identity.generate()
+    table = _peer(me)
+    a_table = _peer(a, outer_step=3)
+    entry = pb.PeerInfo()
+    entry.CopyFrom(a_table.signed_self())
+    assert table.merge([entry], now=0.0) == [a.peer_id]
+    # mallory relays a's entry with a far step and a newer heartbeat: the signature no longer matches
+    forged = pb.PeerInfo()
+    forged.CopyFrom(entry)
+    forged.outer_step, forged.heartbeat = 10**6, 99
+    assert table.merge([forged], now=1.0) == [] and table.forged == 1
+    assert table.get(a.peer_id).outer_step == 3
+    # signed by mallory's key instead of a's: refused too
+    forged.signature = mallory.sign(b"anything")
+    table.merge([forged], now=1.0)
+    assert table.forged == 2 and table.get(a.peer_id).outer_step == 3
+    # a's own newer entry goes through, and re-signing follows every change of our own entry
+    a_table.me.outer_step, a_table.me.heartbeat = 4, 2
+    table.merge([a_table.signed_self()], now=2.0)
+    assert table.get(a.peer_id).outer_step == 4 and table.forged == 2
+
+
+def test_dead_peers_stay_on_the_list_and_stay_expected() -> None:
+    me, a, b = Identity.generate(), Identity.generate(), Identity.generate()
+    table = _peer(me)
+    table.merge([_peer(a).signed_self(), _peer(b).signed_self()], now=0.0)
+    assert [p.peer_id for p in table.dead(now=1.0)] == []
+    # both fall silent; b comes back at t=20 (after a 20 s split): a is dead but never forgotten
+    newer = _peer(b, hb=5)
+    table.merge([newer.signed_self()], now=20.0)
+    assert [p.peer_id for p in table.dead(now=21.0)] == [a.peer_id]
+    assert a.peer_id not in {p.peer_id for p in table.gossip_view(now=21.0)}  # dead entries are not gossiped
+    assert a.peer_id in table.expected(now=21.0)  # ... but the run still expects it: rounds without it are partial
+    assert a.peer_id not in table.expected(now=61.0)  # forget_after passed
+    assert table.get(a.peer_id) is not None  # and it is still re-dialled
+    table.note_step(b.peer_id, 7)
+    assert table.step_of(table.get(b.peer_id)) == 7
+
+
+def test_the_claim_with_more_work_wins_then_the_step_then_the_digest() -> None:
+    mine = Claim(work=20, step=10, digest=b"\x01", peer_id="me")
+    half = Claim(work=30, step=8, digest=b"\x02", peer_id="x")  # fewer steps, but more peers' work went into it
+    solo = Claim(work=12, step=14, digest=b"\x03", peer_id="y")  # a peer alone, ahead in steps
+    assert best_claim(mine, [solo]) == mine
+    assert best_claim(mine, [solo, half]) == half
+    tie = Claim(work=20, step=10, digest=b"\x09", peer_id="z")
+    assert best_claim(mine, [tie]) == tie and best_claim(tie, [mine]) == tie  # everyone picks the same one
+    assert best_claim(mine, [Claim(99, 99, b"", "no digest yet")]) == mine
+
+
+def test_alone_is_said_once_per_change() -> None:
+    t = AloneTracker()
+    first = t.update(1, 4)
+    assert first is not None and first.startswith("training alone: no reachable peers since") and "4 peers" in first
+    assert t.update(1, 4) is None and t.status
+    assert (t.update(3, 4) or "").startswith("no longer alone")
+    assert t.status == ""
+
+
+def test_redial_backs_off_and_heals() -> None:
+    dead = [pb.PeerInfo(peer_id="d" * 32, address="10.9.9.9:1")]
+    calls: list[str] = []
+    answers = {"peer": False, "boot": False}
+
+    async def dial_peer(p: pb.PeerInfo) -> bool:
+        calls.append("peer")
+        return answers["peer"]
+
+    async def dial_boot(addr: str) -> bool:
+        calls.append("boot")
+        return answers["boot"]
+
+    r = Redialer(lambda: dead, dial_peer, ["b:1"], dial_boot, lambda a: False, base_s=0.01, max_s=0.05)
+
+    async def main() -> None:
+        await r.tick()
+        assert calls == ["peer", "boot"]
+        await r.tick()  # backing off: nothing is due yet
+        assert calls == ["peer", "boot"]
+        for _ in range(20):
+            await asyncio.sleep(0.02)
+            await r.tick()
+        assert 4 <= calls.count("peer") <= 21  # bounded backoff: still dialled, never more than once a tick
+        answers["peer"] = True
+        await asyncio.sleep(0.06)
+        await r.tick()
+        assert r.healed >= 1
+
+    asyncio.run(main())
