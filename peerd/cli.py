@@ -237,7 +237,7 @@ def _live_progress(daemon: object, total: int, stop: threading.Event) -> object:
             progress.update(
                 step=st.outer_step,
                 loss=st.loss,
-                peers=len(daemon.membership.alive()),  # type: ignore[attr-defined]
+                peers=len(daemon.membership.view.alive),  # type: ignore[attr-defined]
                 sent=st.bytes_sent_wire,
                 tokens_per_second=st.tokens_per_second,
             )

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,14 @@ AUTH_CODES = {  # envelope refusals that are not plain authentication failures
     "not_admitted": grpc.StatusCode.PERMISSION_DENIED,
     "banned": grpc.StatusCode.PERMISSION_DENIED,
 }
+
+
+class PeerSilent(Exception):
+    """A peer a pending call depends on went silent in gossip (a split, or it died): give up on the call now."""
+
+    def __init__(self, peer_id: str) -> None:
+        super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
+        self.peer_id = peer_id
 
 
 class JoinError(RuntimeError):
@@ -627,7 +635,13 @@ class Daemon:
                 self.run_id,
             )
             try:
-                resp = await self.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
+                call = self.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
+                resp = await self._unless_silent(call, [target.peer_id])
+            except PeerSilent as exc:
+                log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
+                tried.add(target.peer_id)
+                target = None
+                continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in UNREACHABLE:
                     raise RoundFailed(f"rendezvous refused by {target.peer_id[:8]}: {exc.details()}") from exc
@@ -660,6 +674,31 @@ class Daemon:
             await asyncio.wait_for(ev.wait(), self.cfg.network.rendezvous_timeout + 10.0)
         self._round_events.pop(round_id, None)
         return self.rounds.get(round_id)
+
+    async def _unless_silent(self, work: Any, peers: list[str], on_silent: Callable[[str], None] | None = None) -> Any:
+        """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
+        twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
+        the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
+        Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
+        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent)."""
+        task = asyncio.ensure_future(work)
+        limit = 2 * self.cfg.network.peer_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.cfg.network.gossip_interval)
+                if done:
+                    return task.result()
+                silent = next((pid for pid in peers if self.membership.silent_for(pid) > limit), None)
+                if silent is not None:
+                    if on_silent is None:
+                        raise PeerSilent(silent)
+                    on_silent(silent)
+                    peers = [p for p in peers if p != silent]
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
@@ -720,7 +759,11 @@ class Daemon:
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
             # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
             try:
-                result = await rnd.run(self.stub_for, self.verifier)
+                result = await self._unless_silent(
+                    rnd.run(self.stub_for, self.verifier),
+                    [m.peer_id for m in group.members],
+                    lambda pid, rnd=rnd: rnd.abort(RoundFailed(f"member {pid[:8]} went silent", {pid}, "peer_lost")),
+                )
             except RoundFailed as exc:
                 failed_round = bytes(group.round_id)
                 self.status.rounds_failed += 1

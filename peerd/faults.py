@@ -60,3 +60,14 @@ def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
     body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
     return seal_frame(parse_header(frame), body)
+
+
+def step_delay() -> float:
+    """PEERD_FAULT_STEP_DELAY_S=0.05: sleep this long after every inner step (a slower peer, or paced tests whose
+    network faults must land mid-run however fast the machine is)."""
+    raw = _env("PEERD_FAULT_STEP_DELAY_S")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0.0 < value < 60.0 else 0.0

@@ -169,6 +169,13 @@ class Membership:
         hint = entry.step_hint if entry is not None else -1
         return max(info.outer_step, hint)
 
+    def silent_for(self, peer_id: str, now: float | None = None) -> float:
+        """Seconds since `peer_id`'s heartbeat last advanced here (0 for ourselves, inf for a stranger)."""
+        if peer_id == self.me.peer_id:
+            return 0.0
+        e = self.entries.get(peer_id)
+        return float("inf") if e is None else (time.monotonic() if now is None else now) - e.last_advance
+
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:
             return True

@@ -103,7 +103,11 @@ def format_status(st: pb.StatusResponse) -> str:
         f"received {st.bytes_received_wire / 1e6:.2f} MB",
         f"health     {st.rounds_partial} partial rounds, {st.rounds_failed} failed, "
         f"{st.rejected_messages} rejected messages, {st.solo_steps} solo steps",
+        f"state      {st.work} peer-rounds of work; adopted another peer's state {st.state_downloads} times "
+        f"({st.forks_healed} after a split)",
     ]
+    if st.alone_since:
+        lines.append(f"ALONE      training alone: no reachable peers since {st.alone_since}")
     if st.rejected_contributions or st.banned:
         lines.append(
             f"security   {st.rejected_contributions} contributions refused; banned: "
@@ -114,13 +118,13 @@ def format_status(st: pb.StatusResponse) -> str:
     busy = st.compute_seconds + st.compute_idle_seconds
     if busy > 0:
         lines.append(f"idle       {st.compute_idle_seconds:.1f}s of {busy:.1f}s ({st.compute_idle_seconds / busy:.1%})")
-    lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known")
+    lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known; the run expects {len(st.expected)}")
     for p in sorted(st.peers, key=lambda p: p.peer_id):
         mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
         lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")
     if st.HasField("last_round"):
         r = st.last_round
-        tag = "PARTIAL" if r.partial else "complete"
+        tag = _tag(r)
         lines.append(
             f"last round step {r.step}: {tag}, {len(r.included)}/{len(r.expected)} peers, "
             f"{r.wire_bytes / 1e6:.2f} MB wire ({r.raw_bytes / 1e6:.2f} MB raw), {r.seconds:.2f}s"
@@ -131,13 +135,20 @@ def format_status(st: pb.StatusResponse) -> str:
         lines.append("recent rounds")
         for r in list(st.recent_rounds)[-8:]:
             frag = f" fragment {r.fragment}" if r.fragment >= 0 else ""
-            tag = " PARTIAL" if r.partial else ""
+            tag = "" if _tag(r) == "complete" else f" {_tag(r)}"
             note = f"  ({r.note})" if r.note else ""
             lines.append(
                 f"  step {r.step:<5}{frag} with {' '.join(i[:8] for i in r.included)}{tag}  "
                 f"{r.wire_bytes / 1e6:.2f} MB  {r.seconds:.2f}s{note}"
             )
     return "\n".join(lines)
+
+
+def _tag(r: pb.RoundSummary) -> str:
+    """A round of one is SOLO, never "1/1 complete"; a round short of whom the run expected is PARTIAL."""
+    if len(set(r.included)) <= 1:
+        return "SOLO"
+    return "PARTIAL" if r.partial else "complete"
 
 
 def _signer(data_dir: str | None, join_secret_file: str | None, invite_file: str | None) -> tuple[Any, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from peerd import faults
 from peerd.algorithm import OuterAlgorithm
 from peerd.allreduce import RoundFailed
 from peerd.config import RunConfig
@@ -134,6 +135,7 @@ class Worker:
         self.history: list[dict[str, float]] = []
         self.algorithm = make_algorithm(self)
         self.autocast = self.device.type == "cuda"
+        self.step_delay = faults.step_delay()
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
     def add_idle(self, seconds: float) -> None:
@@ -285,6 +287,8 @@ class Worker:
             raise FloatingPointError(f"inner loss became {value} at step {self.inner_step}")
         self.losses.append(value)
         self.inner_step += 1
+        if self.step_delay:
+            time.sleep(self.step_delay)
         dt = time.perf_counter() - t0
         st = self.daemon.status
         st.compute_seconds += dt
