@@ -139,6 +139,7 @@ class NetworkSection:
     round_timeout: float = 120.0  # how long an exchange may take before the round fails
     match_timeout: float = 10.0  # NoLoCo: how long a peer looks for a partner before stepping alone
     chunk_bytes: int = 1 << 20
+    join_timeout: float = 60.0  # how long `peerd start` retries a bootstrap address where nothing answers
 
 
 @dataclass
@@ -223,6 +224,8 @@ class RunConfig:
         self._validate_security()
         if not 0 < self.network.chunk_bytes <= 1 << 20:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+        if not 0 < self.network.join_timeout < math.inf:
+            raise ConfigError("network.join_timeout must be > 0 seconds")
 
     def _validate_security(self) -> None:
         adm, rob, sec = self.admission, self.robust, self.security
@@ -369,6 +372,7 @@ rendezvous_timeout = 30.0
 round_timeout = 120.0
 match_timeout = 10.0
 chunk_bytes = 1048576
+join_timeout = 60.0       # seconds `peerd start` retries bootstrap addresses where nothing answers
 
 [checkpoint]
 every = 1
