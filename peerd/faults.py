@@ -60,3 +60,8 @@ def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
     body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
     return seal_frame(parse_header(frame), body)
+
+
+# Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
+# so tests can stop a joiner while it waits in a state download.
+STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)

@@ -10,7 +10,6 @@ DEADLINE_S after the first signal if shutdown itself hangs.
 
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import signal
@@ -71,7 +70,9 @@ class Shutdown:
     def _grace(self, signum: int) -> None:
         if not self.worker_done.wait(GRACE_S) and self.phase == "training":
             log.info("still busy (a round, a state download or a checkpoint) after %.0fs: interrupting it", GRACE_S)
-            _thread.interrupt_main(signum)
+            # A real signal to the main thread: it wakes a blocking lock wait (Future.result) with EINTR, so the
+            # handler runs now; _thread.interrupt_main only sets a flag that a blocked thread never looks at.
+            signal.pthread_kill(threading.main_thread().ident or 0, signum)
 
     def _deadline(self) -> None:
         assert self.signalled_at is not None
