@@ -358,7 +358,8 @@ class Daemon:
             if exc.code() in UNREACHABLE or exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED):
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     raise bootstrap.NotPeerd("a gRPC server without peerd's Membership service") from exc
-                await bootstrap.classify(addr, secure=self.tls is not None)
+                if self.tls is None:  # with TLS the certificate already showed a peer is there: just retry
+                    await bootstrap.classify(addr, secure=False)
                 raise bootstrap.NoAnswer(f"{exc.code().name} {exc.details()}") from exc
             raise JoinError(f"{addr} refused us: {exc.details()}") from exc
         if _unspecified(self.me.address) and resp.observed_address:

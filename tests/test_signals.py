@@ -14,8 +14,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2
 
+from peerd.reflection import V1_PACKAGE, v1_file
 from tests.swarm import REPO, Peer, Swarm, tiny_config
 from trainer.checkpoint import load_checkpoint
 
@@ -66,15 +68,29 @@ def test_sigterm_while_joining(tmp_path: Path) -> None:
 
 
 def reflection_services(address: str, version: str) -> list[str]:
-    """A real reflection client call on `version`'s method path (v1's messages are v1alpha's, byte for byte)."""
+    """A real reflection client call with `version`'s own messages on its method path: list the services, then ask
+    for the file that defines the v1 reflection service."""
+    if version == "v1":
+        pool = descriptor_pool.Default()
+        v1_file()
+        request_cls = message_factory.GetMessageClass(
+            pool.FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionRequest")
+        )
+        response_cls = message_factory.GetMessageClass(
+            pool.FindMessageTypeByName(f"{V1_PACKAGE}.ServerReflectionResponse")
+        )
+    else:
+        request_cls, response_cls = reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse
     with grpc.insecure_channel(address) as ch:
         call = ch.stream_stream(
             f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
-            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
         )
-        (resp,) = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
-    return [s.name for s in resp.list_services_response.service]
+        requests = [request_cls(list_services=""), request_cls(file_containing_symbol=f"{V1_PACKAGE}.ServerReflection")]
+        listed, described = list(call(iter(requests), timeout=10))
+    assert described.file_descriptor_response.file_descriptor_proto, described
+    return [s.name for s in listed.list_services_response.service]
 
 
 def test_sigterm_while_training_and_the_data_dir_and_port_are_ours(tmp_path: Path) -> None:
