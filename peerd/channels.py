@@ -7,12 +7,13 @@ keepalives so a dead peer's half-open connection is noticed during long rounds.
 With TLS (peerd/tls.py) a channel trusts only the certificate of the peer it is meant to reach, checked against that
 peer's public key first. Callers may name the peer; otherwise the peer that gossip says lives at the address is
 used, or the certificate read on first contact with a bootstrap address. An address with no certificate that checks
-out gets a channel whose handshake cannot succeed, so callers see the usual UNAVAILABLE, never plaintext.
+out gets a channel that never leaves this host, so callers see the usual UNAVAILABLE, never plaintext.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import grpc
@@ -92,9 +93,15 @@ class Channels:
             elif cert:
                 opts = CHANNEL_OPTIONS + tls.channel_options(pid)
                 ch = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
-            else:  # trust our own certificate under a name it does not carry: the handshake always fails
+            else:  # refuse locally: a socket nobody listens on. Dialing the address with a trust root that cannot
+                # match also fails, but makes gRPC's C core log "Handshake failed ... self signed certificate" on
+                # every try. Still TLS with an unmatchable name, in case something does listen there.
                 opts = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", "unverified.invalid")]
-                ch = grpc.aio.secure_channel(address, tls.channel_credentials(self.own.cert_der), options=opts)
+                ch = grpc.aio.secure_channel(
+                    f"unix-abstract:peerd-unverified-{os.getpid()}",
+                    tls.channel_credentials(self.own.cert_der),
+                    options=opts,
+                )
             self._channels[key] = ch
         return ch
 

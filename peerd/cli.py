@@ -6,19 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
 
 from peerd.allocator import tune_allocator
 from peerd.config import ConfigError, RunConfig, write_template
+from peerd.errors import UserError, report, unexpected
 
 
 def main(argv: list[str] | None = None) -> int:
     tune_allocator()  # before any thread starts: see peerd/allocator.py
-    parser = argparse.ArgumentParser(prog="peerd", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks (and debug logs) instead of one line")
+    parser = argparse.ArgumentParser(prog="peerd", description=__doc__, parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def sub_parser(name: str, **kw: object) -> argparse.ArgumentParser:
+        return add_parser(name, parents=[common], **kw)  # type: ignore[arg-type]
+
+    sub.add_parser = sub_parser  # type: ignore[method-assign]
 
     p = sub.add_parser("init", help="write a commented run config with defaults")
     p.add_argument("path", help="where to write it, e.g. run.toml")
@@ -42,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-secret-file", help="admission mode 'secret': the shared secret (overrides [security])")
     p.add_argument("--invite-file", help="admission mode 'invite': this peer's invitation (overrides [security])")
     p.add_argument("--wait-peers", type=int, default=0, help="wait until this many peers are up before training")
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        help="seconds to retry bootstrap addresses where nothing answers (default: [network] join_timeout, 60)",
+    )
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser("status", help="print one peer's view of the run")
@@ -73,47 +86,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="fp32", help="fp32 | bf16 | int8 | fp8 | e3m0 | int4")
     p.add_argument("--preset", default="tiny", help="model preset")
     p.add_argument("--json", action="store_true", help="make the last line of output a JSON summary")
-    p.add_argument("--workdir", help="keep peers' data here (default: a temporary directory)")
+    p.add_argument("--workdir", help="keep peers' data here (default: a temporary directory, removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory with the peers' data and logs")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--timeout", type=float, default=600.0)
 
     args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
     try:
-        if args.command == "init":
-            write_template(args.path)
-            print(
-                f"wrote {args.path}; start the first peer with: peerd start --config {args.path} --listen 0.0.0.0:7000"
-            )
-            return 0
-        if args.command == "start":
-            return _start(args)
-        if args.command == "status":
-            from peerd.status import print_status
-
-            return print_status(
-                args.address,
-                as_json=args.json,
-                timeout=args.timeout,
-                insecure=True if args.insecure else None,
-                data_dir=args.data_dir,
-                join_secret_file=args.join_secret_file,
-                invite_file=args.invite_file,
-            )
-        if args.command in ("key", "owner-key", "invite"):
-            from peerd.admission import AdmissionError
-
-            try:
-                return _keys(args)
-            except AdmissionError as exc:
-                print(f"peerd: {exc}", file=sys.stderr)
-                return 2
-        if args.command == "demo":
-            from peerd.demo import run_demo
-
-            return run_demo(args)
+        return _dispatch(args)
     except ConfigError as exc:
-        print(f"peerd: config error: {exc}", file=sys.stderr)
+        report(ConfigError(f"config error: {exc}"), debug)
         return 2
+    except UserError as exc:
+        report(exc, debug)
+        return exc.code
+    except KeyboardInterrupt:
+        print("peerd: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        unexpected(exc, debug)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run one command; the errors it raises become one line in main()."""
+    if args.command == "init":
+        write_template(args.path)
+        print(f"wrote {args.path}; start the first peer with: peerd start --config {args.path} --listen 0.0.0.0:7000")
+        return 0
+    if args.command == "start":
+        return _start(args)
+    if args.command == "status":
+        from peerd.status import print_status
+
+        return print_status(
+            args.address,
+            as_json=args.json,
+            timeout=args.timeout,
+            insecure=True if args.insecure else None,
+            data_dir=args.data_dir,
+            join_secret_file=args.join_secret_file,
+            invite_file=args.invite_file,
+        )
+    if args.command in ("key", "owner-key", "invite"):
+        from peerd.admission import AdmissionError
+
+        try:
+            return _keys(args)
+        except AdmissionError as exc:
+            print(f"peerd: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "demo":
+        from peerd.demo import run_demo
+
+        try:
+            return run_demo(args)
+        except (RuntimeError, TimeoutError) as exc:  # a peer died before serving, or the demo ran out of time
+            raise UserError(f"demo failed: {exc}", code=1) from exc
     return 1
 
 
@@ -146,36 +176,75 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_start_args(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts: address syntax and ranges, numbers."""
+    from peerd import bootstrap
+
+    bootstrap.parse_hostport(args.listen, "--listen", allow_port_zero=True)
+    for spec in args.bootstrap:
+        bootstrap.parse_bootstrap(spec)
+    if args.announce:
+        bootstrap.parse_hostport(args.announce, "--announce")
+    if args.metrics:
+        bootstrap.parse_hostport(args.metrics, "--metrics", allow_port_zero=True)
+    if args.shard is not None and args.shard < 0:
+        raise UserError(f"--shard {args.shard}: must be >= 0 (any number; it is taken modulo data.num_shards)")
+    if args.join_timeout is not None and not args.join_timeout > 0:
+        raise UserError(f"--join-timeout {args.join_timeout}: must be > 0 seconds")
+
+
+def _check_checkpoint(path: Path) -> None:
+    """Refuse a damaged checkpoint before joining anyone, and say what to do about it."""
+    from trainer.checkpoint import CheckpointError, verify_checkpoint
+
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as exc:
+        raise UserError(
+            f"{exc}; move it away (mv {path} {path}.bad) to start from the swarm's state, or restore a good copy"
+        ) from exc
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror or exc}); fix its permissions or move it away") from exc
+
+
 def _start(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("peerd")
+    _check_start_args(args)
     cfg = RunConfig.load(args.config)
+    from peerd import bootstrap, datadir
+
+    data_dir = Path(args.data_dir)
+    lock = datadir.prepare(data_dir)  # writable, and no other daemon on it
+    bootstrap.check_port_free(args.listen, "--listen")
+    if args.metrics:
+        bootstrap.check_port_free(args.metrics, "--metrics")
+    from peerd.worker import CHECKPOINT
+
+    _check_checkpoint(data_dir / CHECKPOINT)
     import torch
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    from peerd.daemon import Daemon, JoinError
+    from peerd.admission import AdmissionError
+    from peerd.daemon import DRAIN_S, Daemon, JoinError
+    from peerd.errors import Interrupted
     from peerd.identity import Identity, IdentityError
+    from peerd.shutdown import Shutdown
     from peerd.worker import Worker
+    from trainer.checkpoint import CheckpointError
 
-    data_dir = Path(args.data_dir)
     try:
         identity = Identity.load_or_create(data_dir)
     except IdentityError as exc:
-        print(f"peerd: {exc}", file=sys.stderr)
-        return 2
+        raise UserError(str(exc)) from exc
     if args.insecure:
         log.warning("--insecure: gRPC traffic is NOT encrypted; use this for tests only")
     if args.join_secret_file:
         cfg.security.join_secret_file = args.join_secret_file
     if args.invite_file:
         cfg.security.invite_file = args.invite_file
-    from peerd.admission import AdmissionError
-
     try:
         daemon = Daemon(
             cfg,
@@ -188,38 +257,54 @@ def _start(args: argparse.Namespace) -> int:
             insecure=args.insecure,
         )
     except AdmissionError as exc:
-        print(f"peerd: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: finishing the current step, then leaving the swarm", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+        raise UserError(str(exc)) from exc
+    shutdown = Shutdown()
+    shutdown.install()
     try:
-        daemon.start()
+        daemon.start(join_timeout=args.join_timeout or cfg.network.join_timeout)
+    except Interrupted as exc:
+        log.info("received %s while starting: stopped", exc)
+        daemon.stop(leave=False, drain=0.5)
+        return 0
     except (JoinError, OSError) as exc:
-        print(f"peerd: {exc}", file=sys.stderr)
-        daemon.stop(leave=False)
-        return 1
+        daemon.stop(leave=False, drain=0.5)
+        raise UserError(str(exc), code=1) from exc
     log.info("peer %s joined run %s (%s)", identity.peer_id[:8], daemon.run_id.hex()[:8], cfg.run.algorithm)
-    live = _live_progress(daemon, cfg.run.outer_steps, stop) if sys.stderr.isatty() else None
+    live = _live_progress(daemon, cfg.run.outer_steps, shutdown.stop) if sys.stderr.isatty() else None
+    worker = None
     try:
         if args.wait_peers > 1:
-            daemon.wait_for_peers(args.wait_peers, stop)
+            daemon.wait_for_peers(args.wait_peers, shutdown.stop)
         try:
             worker = Worker(cfg, daemon, data_dir, device=args.device, shard=args.shard, on_outer_step=_log_outer_step)
-        except ValueError as exc:  # bad model/data factory, data path, checkpoint of another run, ...
-            print(f"peerd: cannot start training: {exc}", file=sys.stderr)
-            return 2
-        worker.run(stop)
+        except ValueError as exc:  # bad model/data factory, data path, ...
+            raise UserError(f"cannot start training: {exc}") from exc
+        shutdown.training()
+        try:
+            worker.run(shutdown.stop)
+        except CheckpointError as exc:
+            path = data_dir / CHECKPOINT
+            raise UserError(f"{exc}; move it away (mv {path} {path}.bad) to start from the swarm's state") from exc
+        except ValueError as exc:  # e.g. a checkpoint of another run
+            raise UserError(f"cannot train: {exc}") from exc
+        finally:
+            shutdown.stopping()
         worker.write_summary()
+    except Interrupted as exc:
+        shutdown.stopping()
+        kept = "no checkpoint was written yet"
+        if worker is not None and worker.saved_step is not None:
+            kept = f"the checkpoint of outer step {worker.saved_step} is kept"
+        log.info("received %s: stopped without finishing the step in progress; %s", exc, kept)
+        if worker is not None:
+            worker.write_summary()
+        return 0
     finally:
+        shutdown.stopping()
         if live is not None:
             live.close()
-        daemon.stop(leave=True)
+        daemon.stop(leave=True, drain=shutdown.drain_s(DRAIN_S))
+        lock.release()
     log.info("stopped cleanly at outer step %d", daemon.status.outer_step)
     return 0
 

@@ -142,6 +142,7 @@ class NetworkSection:
     redial_max: float = 5.0  # dead peers and bootstrap addresses are re-dialled with backoff up to this, forever
     forget_after: float = 300.0  # a dead peer stays expected in rounds (they are partial without it) for this long
     linger: float = 30.0  # after the last outer step, serve state this long for peers still finishing or restarting
+    join_timeout: float = 60.0  # how long `peerd start` retries a bootstrap address where nothing answers
 
 
 @dataclass
@@ -226,6 +227,8 @@ class RunConfig:
         self._validate_security()
         if not 0 < self.network.chunk_bytes <= 1 << 20:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+        if not 0 < self.network.join_timeout < math.inf:
+            raise ConfigError("network.join_timeout must be > 0 seconds")
 
     def _validate_security(self) -> None:
         adm, rob, sec = self.admission, self.robust, self.security
@@ -372,6 +375,7 @@ rendezvous_timeout = 30.0
 round_timeout = 120.0
 match_timeout = 10.0
 chunk_bytes = 1048576
+join_timeout = 60.0       # seconds `peerd start` retries bootstrap addresses where nothing answers
 
 [checkpoint]
 every = 1

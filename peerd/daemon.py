@@ -27,9 +27,8 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from peerd import tls
+from peerd import bootstrap, reflection, tls
 from peerd.admission import Admission, AdmissionError
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -191,14 +190,15 @@ class Daemon:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, join_timeout: float = 60.0) -> None:
-        """Start serving, then join the swarm through a bootstrap address (if any). Blocks until both are done."""
+        """Start serving, then join the swarm through a bootstrap address (if any). Blocks until both are done.
+        Raises OSError when the listen address cannot be bound, JoinError when no bootstrap address let us in."""
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, args=(ready,), name="peerd-loop", daemon=True)
         self._thread.start()
         ready.wait()
         self.call(self._start_server())
         if self.bootstrap:
-            self.call(self._join(join_timeout))
+            self.call(self._join(join_timeout, verbose=True))
         self.call(self._start_background())
         self.status.state = "training"
         # Everything alive now (torch, grpc, the model) lives as long as the daemon: keep it out of the cyclic GC's
@@ -220,7 +220,8 @@ class Daemon:
 
     async def _start_server(self) -> None:
         server = grpc.aio.server(
-            options=CHANNEL_OPTIONS + SERVER_OPTIONS,
+            # No SO_REUSEPORT: with it a second daemon on a busy port binds too and takes half the calls.
+            options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=1024,
             interceptors=[self.limits.interceptor(self.count_rejected)],
         )
@@ -232,13 +233,16 @@ class Daemon:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State")]
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        if self.tls is not None:
-            port = server.add_secure_port(self.listen, self.tls.server_credentials())
-        else:
-            port = server.add_insecure_port(self.listen)
+        reflection.enable(server, [*names, health.SERVICE_NAME])
+        try:
+            if self.tls is not None:
+                port = server.add_secure_port(self.listen, self.tls.server_credentials())
+            else:
+                port = server.add_insecure_port(self.listen)
+        except RuntimeError:  # grpc's way to say the bind failed
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {self.listen}")
+            raise OSError(f"--listen {self.listen}: cannot listen there (address already in use?); pick another port")
         await server.start()
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -302,13 +306,14 @@ class Daemon:
                 return
             time.sleep(0.1)
 
-    def stop(self, leave: bool = True) -> None:
-        """Clean shutdown: announce Leave to live peers, stop serving, stop the loop."""
+    def stop(self, leave: bool = True, drain: float = DRAIN_S) -> None:
+        """Clean shutdown: announce Leave to live peers, stop serving (streams in flight get `drain` seconds), stop
+        the loop. A signal-driven stop passes a short drain so the process exits within its deadline."""
         if self.loop is None or not self.loop.is_running():
             return
         self.status.state = "stopping"
         with contextlib.suppress(Exception):
-            self.call(self._shutdown(leave), timeout=DRAIN_S + 15)
+            self.call(self._shutdown(leave, drain), timeout=drain + 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -316,7 +321,7 @@ class Daemon:
             self._metrics_server.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _shutdown(self, leave: bool) -> None:
+    async def _shutdown(self, leave: bool, drain: float = DRAIN_S) -> None:
         assert self._stopping is not None and self.channels is not None
         self._stopping.set()
         for t in self._tasks:
@@ -327,35 +332,56 @@ class Daemon:
             req = sign(pb.LeaveRequest(self=self.membership.signed_self()), "Leave", self.identity, self.run_id)
             peers = self.membership.alive(include_self=False)
             await asyncio.gather(
-                *(self.channels.membership(p.address, p).Leave(req, timeout=2) for p in peers), return_exceptions=True
+                *(self.channels.membership(p.address, p).Leave(req, timeout=min(2.0, drain)) for p in peers),
+                return_exceptions=True,
             )
         if self._server is not None:
             # New calls are refused at once; streams in flight (a reply a slower member is still downloading from
             # us after our own last round) get up to DRAIN_S to finish: with a 1 s grace, a peer that finished the
             # run first cut its partners' last round on slow links and made them retry without it.
-            await self._server.stop(grace=DRAIN_S)
+            await self._server.stop(grace=drain)
         await self.channels.close()
 
     # -- membership ----------------------------------------------------------------------------------------------
-    async def _join(self, timeout: float) -> None:
-        """Join through the first bootstrap address that answers; retry until `timeout`."""
+    async def _join(self, timeout: float, verbose: bool = False) -> None:
+        """Join through the first bootstrap address that lets us in. An address where nothing answers is retried with
+        backoff until `timeout`; one that answers but is not a peerd peer, or refuses us, fails at once. `verbose`
+        (at start) logs each address's first failure, so a slow join is never silent; the gossip loop's healing
+        calls stay quiet."""
         assert self.channels is not None
         deadline = time.monotonic() + timeout
         last = "no bootstrap address given"
-        while time.monotonic() < deadline:
+        warned: set[str] = set()
+        attempt = 0
+        while True:
             for spec in self.bootstrap:
                 try:
-                    await self._join_one(spec)
+                    addr, peer = await self._bootstrap_address(spec)
+                    await self._join_one(addr, peer)
                     return
-                except (OSError, TimeoutError, tls.TlsError, ConnectionError) as exc:
+                except bootstrap.NotPeerd as exc:
+                    raise JoinError(
+                        f"bootstrap {spec} answered but is not a peerd peer: {exc}; check the host and port"
+                    ) from exc
+                except bootstrap.NoAnswer as exc:
                     last = f"{spec}: {exc}"
-            await asyncio.sleep(0.5)
-        raise JoinError(f"could not reach any bootstrap address within {timeout:.0f}s ({last})")
+                    if verbose and spec not in warned:
+                        warned.add(spec)
+                        left = max(deadline - time.monotonic(), 0.0)
+                        log.warning("bootstrap %s: %s; retrying for up to %.0fs", spec, exc, left)
+            pause = bootstrap.backoff_s(attempt)
+            attempt += 1
+            if time.monotonic() + pause > deadline:
+                break
+            await asyncio.sleep(pause)
+        raise JoinError(
+            f"no bootstrap peer answered within {timeout:.0f}s ({last}); check that the peer runs and the address "
+            "is reachable, or wait longer with --join-timeout"
+        )
 
-    async def _join_one(self, spec: str, timeout: float = 5.0) -> None:
-        """One Join through `spec`. Raises ConnectionError when nobody answered there, JoinError when refused."""
+    async def _join_one(self, addr: str, peer: pb.PeerInfo | None, timeout: float = 5.0) -> None:
+        """One Join call to a bootstrap address; NoAnswer when it cannot be reached, JoinError when refused."""
         assert self.channels is not None
-        addr = await self._bootstrap_address(spec)
         req = sign(
             pb.JoinRequest(self=self.membership.signed_self(), run_spec_json=self.cfg.spec_json(), dialed_address=addr),
             "Join",
@@ -363,10 +389,14 @@ class Daemon:
             self.run_id,
         )
         try:
-            resp = await self.channels.membership(addr).Join(req, timeout=timeout)
+            resp = await self.channels.membership(addr, peer).Join(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in UNREACHABLE:
-                raise ConnectionError(f"{addr}: {exc.code().name} {exc.details()}") from None
+            if exc.code() in UNREACHABLE or exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED):
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise bootstrap.NotPeerd("a gRPC server without peerd's Membership service") from exc
+                if self.tls is None:  # with TLS the certificate already showed a peer is there: just retry
+                    await bootstrap.classify(addr, secure=False)
+                raise bootstrap.NoAnswer(f"{exc.code().name} {exc.details()}") from exc
             raise JoinError(f"{addr} refused us: {exc.details()}") from exc
         if _unspecified(self.me.address) and resp.observed_address:
             self.me.address = f"{resp.observed_address}:{self.me.address.rsplit(':', 1)[-1]}"
@@ -375,16 +405,18 @@ class Daemon:
         self.merge_gossip(resp.peers)
         log.info("joined through %s: %d peers known", addr, len(self.membership.alive()) - 1)
 
-    async def _bootstrap_address(self, spec: str) -> str:
-        """'PEERID@host:port' or 'host:port' -> the address to dial; with TLS, read and check the certificate there
-        first (pinned to PEERID, or trusted on first use) so the Join goes only to the peer it should."""
+    async def _bootstrap_address(self, spec: str) -> tuple[str, pb.PeerInfo | None]:
+        """'PEERID@host:port' or 'host:port' -> the address to dial and, with TLS, the peer found there: its
+        certificate is read and checked first (pinned to PEERID, or trusted on first use) so the Join goes only to
+        the peer it should. The Join dials with exactly that certificate: a stale one gossiped for the address
+        (the peer restarted with a new TLS key) would fail the handshake and fill the log with gRPC's complaints."""
         assert self.channels is not None
         pinned, addr = tls.parse_bootstrap(spec)
         if self.tls is None:
             if pinned is not None:
                 log.warning("--insecure: cannot check that %s is peer %s", addr, pinned[:8])
-            return addr
-        cert = await tls.fetch_cert(addr, timeout=5.0)
+            return addr, None
+        cert = await bootstrap.fetch_cert(addr, timeout=5.0)
         pid = tls.verify_cert(cert)
         if pinned is not None and pid != pinned:
             raise JoinError(f"bootstrap {addr} is peer {pid}, not the expected {pinned}: refusing to join through it")
@@ -393,7 +425,7 @@ class Daemon:
                 "bootstrap %s is peer %s (trusted on first use; pin it with --bootstrap %s@%s)", addr, pid, pid, addr
             )
         self.channels.pin(addr, cert)
-        return addr
+        return addr, pb.PeerInfo(peer_id=pid, public_key=tls.bound_key(cert), tls_cert=cert, address=addr)
 
     async def _gossip_loop(self) -> None:
         assert self._stopping is not None
@@ -432,8 +464,9 @@ class Daemon:
 
     async def _redial_bootstrap(self, spec: str) -> bool:
         try:
-            await self._join_one(spec, timeout=max(2.0, self.cfg.network.gossip_interval))
-        except (OSError, TimeoutError, tls.TlsError, ConnectionError, JoinError, grpc.aio.AioRpcError):
+            addr, peer = await self._bootstrap_address(spec)
+            await self._join_one(addr, peer, timeout=max(2.0, self.cfg.network.gossip_interval))
+        except (OSError, TimeoutError, tls.TlsError, bootstrap.NoAnswer, bootstrap.NotPeerd, JoinError):
             return False
         return True
 

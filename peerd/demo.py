@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,14 +125,29 @@ def max_param_diff(dirs: list[Path]) -> tuple[float, float]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo swarm. A temporary work dir is removed at the end unless --keep (or --workdir) is given."""
+    if args.peers < 1:
+        from peerd.errors import UserError
+
+        raise UserError(f"--peers {args.peers}: need at least 1 peer")
     raw = demo_config(args)
+    keep = bool(args.workdir or getattr(args, "keep", False))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="peerd-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return _run(args, raw, workdir, keep)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, raw: dict[str, Any], workdir: Path, keep: bool) -> int:
     config = workdir / "run.toml"
     config.write_text(to_toml(raw))
+    where = f"data in {workdir}" + ("" if keep else " (removed at the end; --keep keeps it)")
     print(
         f"peerd demo: {args.peers} peers, {args.algorithm}, codec {args.codec}, {args.outer_steps} outer steps "
-        f"of {args.inner_steps} inner steps; data in {workdir}",
+        f"of {args.inner_steps} inner steps; {where}",
         flush=True,
     )
     procs: list[subprocess.Popen] = []
@@ -155,6 +171,8 @@ def run_demo(args: argparse.Namespace) -> int:
         for i in failed:
             tail = (dirs[i] / "log").read_text(errors="replace").splitlines()[-15:]
             print(f"peer {i} failed (exit {procs[i].returncode}):\n  " + "\n  ".join(tail), file=sys.stderr)
+        if args.json:
+            print(json.dumps({"peers": args.peers, "algorithm": args.algorithm, "ok": False, "failed_peers": failed}))
         return 1
     diff, spread = max_param_diff(dirs)
 
@@ -182,7 +200,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "solo_steps": sum(s["solo_steps"] for s in summaries),
         "compute_idle_fraction": total_idle / (total_compute + total_idle) if total_compute + total_idle else 0.0,
         "seconds": round(time.monotonic() - t_start, 1),
-        "workdir": str(workdir),
+        "workdir": str(workdir) if keep else None,
+        "ok": True,
     }
     print(
         f"done in {result['seconds']}s: loss {result['loss_first']:.4f} -> {result['loss_last']:.4f}, "

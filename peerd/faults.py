@@ -71,3 +71,8 @@ def step_delay() -> float:
     except ValueError:
         return 0.0
     return value if 0.0 < value < 60.0 else 0.0
+
+
+# Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
+# so tests can stop a joiner while it waits in a state download.
+STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)

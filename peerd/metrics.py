@@ -158,6 +158,11 @@ class PeerMetrics:
         )
         self.rounds = Counter("peerd_rounds", "Rounds by outcome.", ["algorithm", "outcome"], registry=registry)
         self.failures = Counter("peerd_failures", "Round or sync failures by reason.", ["reason"], registry=registry)
+        self.checkpoint_failures = Counter(
+            "peerd_checkpoint_failures",
+            "Checkpoint writes that failed (disk full, read-only); the previous checkpoint stays.",
+            registry=registry,
+        )
         self.rejected_messages = Counter(
             "peerd_rejected_messages",
             "Messages from the network refused, by reason.",

@@ -46,6 +46,8 @@ def format_duration(seconds: float) -> str:
 
 
 def _format_value(key: str, value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "-"  # not measured yet (a loss before the first step): "nan" reads like a failure
     if isinstance(value, float):
         if key in ("sent", "received"):
             return format_bytes(value)

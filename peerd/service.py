@@ -6,12 +6,14 @@ message that says why, counted by reason, and the daemon goes on serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 
+from peerd import faults
 from peerd.allreduce import RoundFailed, suspects_metadata
 from peerd.codecs import CodecError
 from peerd.config import spec_differences
@@ -197,6 +199,8 @@ class StateService(rpc.StateServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"state at step >= {request.min_step} not here (have {have})"
             )
+        if faults.STATE_STALL_S:
+            await asyncio.sleep(faults.STATE_STALL_S)
         for msg in state_messages(snap, self.d.identity, self.d.cfg.network.chunk_bytes):
             self.d.count_sent("state", len(msg.chunk), len(msg.chunk))
             yield msg

@@ -137,6 +137,11 @@ def _bound_key(cert_der: bytes) -> bytes:
     return public_key
 
 
+def bound_key(cert_der: bytes) -> bytes:
+    """The Ed25519 public key a checked certificate is bound to (TlsError when the binding does not hold)."""
+    return _bound_key(bytes(cert_der))
+
+
 def verify_cert(cert_der: bytes, expected_public_key: bytes | None = None) -> str:
     """Check a peer certificate's binding (against `expected_public_key` when given); returns the peer id."""
     public_key = _bound_key(bytes(cert_der))

@@ -25,7 +25,7 @@ from peerd.allreduce import RoundFailed
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
 from peerd.statesync import StateSnapshot
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
 from trainer.inner import make_inner_optimizer
@@ -114,10 +114,12 @@ class Worker:
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
         self.train_data, self.eval_data = build_run_data(cfg, self.seq_len)
-        pid = daemon.identity.peer_id
-        self.shard = shard if shard is not None else int(pid[:8], 16) % cfg.data.num_shards
-        # Batches depend on the run seed and the shard only, so two runs with the same seeds see the same data.
-        seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.shard}".encode()).hexdigest()[:8], 16)
+        # Any number of peers may train: `slot` (--shard, or derived from the peer id) picks data shard
+        # slot % data.num_shards, and seeds the batch generator, so peers that share a data shard still draw different
+        # batches. Batches depend on the run seed and the slot only: two runs with the same seeds see the same data.
+        self.slot = shard if shard is not None else int(daemon.identity.peer_id[:8], 16)
+        self.shard = self.slot % cfg.data.num_shards
+        seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.slot}".encode()).hexdigest()[:8], 16)
         self.gen = torch.Generator().manual_seed(seed)
         # The schedule comes from the spec (inner.total_steps), never from run.outer_steps, which is local: peers may
         # stop at different times but must all follow one schedule. Default: constant after warmup.
@@ -130,6 +132,7 @@ class Worker:
         )
         self.inner_step = 0
         self.outer_step = 0
+        self.saved_step: int | None = None  # outer step of the checkpoint on disk (None: none written or loaded)
         self.last_result: Any = None
         self.losses: list[float] = []  # inner losses since the last outer step
         self.history: list[dict[str, float]] = []
@@ -384,8 +387,11 @@ class Worker:
             "finished": st.finished,
         }
         tmp = self.data_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, sort_keys=True))
-        tmp.replace(self.data_dir / "summary.json")
+        try:
+            tmp.write_text(json.dumps(summary, sort_keys=True))
+            tmp.replace(self.data_dir / "summary.json")
+        except OSError as exc:
+            log.warning("summary.json not written (%s)", exc.strerror or exc)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -400,7 +406,23 @@ class Worker:
             "sched": self.sched.state_dict(),
             "history": self.history,
         }
-        save_checkpoint(self.data_dir / CHECKPOINT, state)
+        try:
+            save_checkpoint(self.data_dir / CHECKPOINT, state)
+        except OSError as exc:  # disk full, read-only, I/O error: keep training, retry at the next checkpoint
+            if self.daemon.metrics is not None:
+                self.daemon.metrics.checkpoint_failures.inc()
+            kept = "no checkpoint yet" if self.saved_step is None else f"the checkpoint of step {self.saved_step} stays"
+            why = str(exc) if isinstance(exc, CheckpointWriteError) else f"cannot write {CHECKPOINT}: {exc.strerror}"
+            log.warning(
+                "checkpoint at outer step %d not written (%s); %s, training goes on and the next checkpoint retries; "
+                "free space in %s",
+                self.outer_step,
+                why,
+                kept,
+                self.data_dir,
+            )
+            return
+        self.saved_step = self.outer_step
 
     def resume(self) -> None:
         state = load_checkpoint(self.data_dir / CHECKPOINT)
@@ -419,5 +441,6 @@ class Worker:
         self.inner_step = int(state["inner_step"])
         self.algorithm.work = int(state.get("work", 0))
         self.history = list(state.get("history", []))
+        self.saved_step = self.outer_step
         self.daemon.status.outer_step = self.outer_step
         log.info("resumed from checkpoint at outer step %d", self.outer_step)

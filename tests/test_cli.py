@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,14 @@ from peerd.config import RunConfig
 from tests.swarm import REPO, Swarm, tiny_config
 
 
-def peerd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def peerd(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "peerd", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-m", "peerd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ, **(env or {})),
     )
 
 
@@ -54,6 +60,7 @@ def test_status_text_and_json(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_json_summary(tmp_path: Path) -> None:
+    """Also: the demo's temporary directory is gone afterwards, and no progress line shows a 'nan' loss."""
     out = peerd(
         "demo",
         "--peers",
@@ -63,12 +70,13 @@ def test_demo_json_summary(tmp_path: Path) -> None:
         "--inner-steps",
         "10",
         "--json",
-        "--workdir",
-        str(tmp_path / "demo"),
         timeout=400,
+        env={"TMPDIR": str(tmp_path)},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outer step   3" in out.stdout
+    assert "nan" not in out.stdout.lower()
+    assert not list(tmp_path.glob("peerd-demo-*")), "the demo left its temporary directory behind"
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     for key in (
         "peers",
@@ -83,6 +91,7 @@ def test_demo_json_summary(tmp_path: Path) -> None:
     ):
         assert key in summary, key
     assert summary["peers"] == 2 and summary["algorithm"] == "diloco" and summary["outer_steps"] == 3
+    assert summary["ok"] is True and summary["workdir"] is None
     assert summary["max_param_diff"] == 0.0
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["bytes_sent_total"] > 0

@@ -106,6 +106,7 @@ def test_all_families_exposed_with_types_and_units() -> None:
         "peerd_round_peers": "gauge",
         "peerd_rounds": "counter",
         "peerd_failures": "counter",
+        "peerd_checkpoint_failures": "counter",
         "peerd_rejected_messages": "counter",
         "peerd_known_peers": "gauge",
         "peerd_alive_peers": "gauge",

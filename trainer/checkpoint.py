@@ -34,6 +34,10 @@ class CheckpointError(ValueError):
     """A checkpoint is corrupt, truncated, or its state holds unsupported values."""
 
 
+class CheckpointWriteError(OSError):
+    """The checkpoint could not be written (disk full, read-only, I/O error); the previous one is untouched."""
+
+
 def _prepare(value: Any, where: str, depth: int = 0) -> Any:
     """Copy the container structure, checking types; tensors that view a larger storage are cloned (else
     torch.save would write the whole storage)."""
@@ -67,6 +71,7 @@ class _HashingWriter(io.RawIOBase):
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch's writer replaces it with a RuntimeError that hides the cause
 
     def writable(self) -> bool:
         return True
@@ -75,7 +80,11 @@ class _HashingWriter(io.RawIOBase):
         view = memoryview(data).cast("B")
         self.sha.update(view)
         self.size += len(view)
-        return self._f.write(view)
+        try:
+            return self._f.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 class _BoundedReader(io.RawIOBase):
@@ -131,6 +140,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
+    writer: _HashingWriter | None = None
     try:
         with os.fdopen(fd, "wb") as f:
             writer = _HashingWriter(f)
@@ -139,11 +149,52 @@ def save_checkpoint(path: Path, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        cause = writer.error if writer is not None and writer.error is not None else exc
+        if isinstance(cause, OSError):
+            raise CheckpointWriteError(cause.errno, f"cannot write {path}: {cause.strerror or cause}") from None
         raise
     _fsync_dir(path.parent)
+
+
+def _check_file(f: BinaryIO, path: Path) -> int:
+    """Check the footer and the digest of an open checkpoint; returns the archive's length."""
+    size = os.fstat(f.fileno()).st_size
+    if size < _FOOTER.size:
+        raise CheckpointError(f"{path}: {size} bytes is too short to be a checkpoint")
+    f.seek(size - _FOOTER.size)
+    magic, body_size, digest = _FOOTER.unpack(f.read(_FOOTER.size))
+    if magic != MAGIC:
+        raise CheckpointError(f"{path}: not a peerd checkpoint (bad footer), or truncated")
+    if body_size != size - _FOOTER.size:
+        raise CheckpointError(f"{path}: footer says {body_size} bytes of data, file has {size - _FOOTER.size}")
+    f.seek(0)
+    sha = hashlib.sha256()
+    remaining = body_size
+    while remaining:
+        chunk = f.read(min(_CHUNK, remaining))
+        if not chunk:
+            raise CheckpointError(f"{path}: file shrank while reading")
+        sha.update(chunk)
+        remaining -= len(chunk)
+    if sha.digest() != digest:
+        raise CheckpointError(f"{path}: checksum mismatch, the checkpoint is corrupt")
+    return body_size
+
+
+def verify_checkpoint(path: Path) -> bool:
+    """False if ``path`` does not exist; CheckpointError if it is damaged (checked without unpickling anything),
+    so a daemon can refuse a bad checkpoint before it joins a swarm."""
+    path = Path(path)
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return False
+    with f:
+        _check_file(f, path)
+    return True
 
 
 def load_checkpoint(path: Path) -> dict | None:
@@ -154,26 +205,7 @@ def load_checkpoint(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        if size < _FOOTER.size:
-            raise CheckpointError(f"{path}: {size} bytes is too short to be a checkpoint")
-        f.seek(size - _FOOTER.size)
-        magic, body_size, digest = _FOOTER.unpack(f.read(_FOOTER.size))
-        if magic != MAGIC:
-            raise CheckpointError(f"{path}: not a peerd checkpoint (bad footer), or truncated")
-        if body_size != size - _FOOTER.size:
-            raise CheckpointError(f"{path}: footer says {body_size} bytes of data, file has {size - _FOOTER.size}")
-        f.seek(0)
-        sha = hashlib.sha256()
-        remaining = body_size
-        while remaining:
-            chunk = f.read(min(_CHUNK, remaining))
-            if not chunk:
-                raise CheckpointError(f"{path}: file shrank while reading")
-            sha.update(chunk)
-            remaining -= len(chunk)
-        if sha.digest() != digest:
-            raise CheckpointError(f"{path}: checksum mismatch, the checkpoint is corrupt")
+        body_size = _check_file(f, path)
         try:
             state = torch.load(_BoundedReader(f, body_size), weights_only=True, map_location="cpu")
         except Exception as exc:  # a digest-valid file that torch rejects: unsupported content or torch version
