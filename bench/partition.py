@@ -132,6 +132,43 @@ def split_run(groups: list[list[int]], cut_s: float, algorithm: str) -> dict[str
     }
 
 
+def noloco_run(groups: list[list[int]], cut_s: float, after_s: float = 30.0) -> dict[str, Any]:
+    """NoLoCo has no single model: measure `spread` (largest pairwise L2 distance between peers' slow weights over
+    their norm, from the checkpoints written every outer step) before the cut, at the heal, and after it."""
+    from tests.netswarm import NetSwarm
+
+    n = sum(len(g) for g in groups)
+    os.environ["PEERD_FAULT_STEP_DELAY_S"] = PACE_S
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-partition-") as tmp_s:
+        tmp = Path(tmp_s)
+        with NetSwarm(tmp, n, _config(tmp, "noloco", 0, 5.0)) as swarm:
+            dirs = [p.data_dir for p in swarm.peers]
+
+            def spread() -> float:
+                return max_param_diff(dirs)[1]
+
+            swarm.wait_until(lambda: all(swarm.status(i).outer_step >= 5 for i in range(n)), 180, "step 5")
+            before = spread()
+            swarm.net.partition(groups)
+            time.sleep(cut_s)
+            at_heal = spread()
+            swarm.net.heal()
+            curve = []
+            for k in range(int(after_s // 5)):
+                time.sleep(5.0)
+                curve.append((5 * (k + 1), round(spread(), 4)))
+            for p in swarm.peers:
+                p.terminate()
+    return {
+        "split": "+".join(str(len(g)) for g in groups),
+        "cut_s": cut_s,
+        "algorithm": "noloco",
+        "spread_before": round(before, 4),
+        "spread_at_heal": round(at_heal, 4),
+        "spread_after_heal": curve,
+    }
+
+
 def chaos_run(peers: int, steps: int, kill_every: float, seed: int) -> dict[str, Any]:
     from tests.netswarm import NetSwarm
 
@@ -195,6 +232,10 @@ def main() -> None:
             groups.append(list(range(start, start + k)))
             start += k
         for cut in (float(c) for c in args.cuts.split(",")):
+            if args.algorithm == "noloco":
+                for _ in range(args.repeats):
+                    print(json.dumps(noloco_run(groups, cut)), flush=True)
+                continue
             runs = [split_run(groups, cut, args.algorithm) for _ in range(args.repeats)]
             for r in runs:
                 print(json.dumps(r), flush=True)

@@ -35,6 +35,11 @@ class OuterAlgorithm(ABC):
     def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
         """Adopt a downloaded or checkpointed global state (and reset local params to it)."""
 
+    def part_ranges(self) -> list[list[tuple[int, int]]] | None:
+        """Element ranges of each part (fragment) of the flat state tensors, for per-part digests and downloads;
+        None: the state is one part."""
+        return None
+
     def before_optimizer_step(self, worker: Worker) -> None:  # noqa: B027 - optional hook
         """Called after backward and before gradient clipping and the inner optimizer step (the every-step
         all-reduce baseline averages gradients here)."""

@@ -43,7 +43,7 @@ from peerd.redial import Redialer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
-from peerd.statesync import StateSnapshot, read_state
+from peerd.statesync import StateSnapshot, part_digests, read_state
 from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
@@ -879,6 +879,7 @@ class Daemon:
     def publish(self, snapshot: StateSnapshot, finished: bool = False) -> None:
         """Make `snapshot` the state we serve, and gossip its claim (work, step, digest) and whether we are done."""
         digest = snapshot.digest
+        parts = part_digests(snapshot.tensors, snapshot.parts) if snapshot.parts else []
 
         def apply() -> None:
             self.snapshot = snapshot
@@ -886,6 +887,8 @@ class Daemon:
             self.me.state_digest = digest
             self.me.work = snapshot.work
             self.me.finished = finished
+            del self.me.part_digests[:]
+            self.me.part_digests.extend(parts)
 
         assert self.loop is not None
         self.loop.call_soon_threadsafe(apply)
@@ -942,14 +945,38 @@ class Daemon:
             self.metrics.alone.set(1 if self.alone.alone_since is not None else 0)
 
     def fetch_state(
-        self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float = 120.0, better: bool = False
+        self,
+        min_step: int,
+        expected: dict[str, tuple[int, ...]],
+        timeout: float = 120.0,
+        better: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+        parts: list[list[tuple[int, int]]] | None = None,
     ) -> StateSnapshot:
         """Download the canonical global state (at least `min_step`) from a live peer that holds it. `better`: only
-        a state that outranks ours (a peer asked to resync never adopts a worse state than its own)."""
-        return self.call(self._fetch_state(min_step, expected, timeout, better))
+        a state that outranks ours (a peer asked to resync never adopts a worse state than its own). With `base` (our
+        state) and `parts` (its fragments' ranges), only the fragments whose gossiped digests differ from ours are
+        downloaded and patched in; the whole-state digest is checked after patching."""
+        return self.call(self._fetch_state(min_step, expected, timeout, better, base, parts))
+
+    def _differing_ranges(
+        self, holder: pb.PeerInfo, base: dict[str, torch.Tensor] | None, parts: list[list[tuple[int, int]]] | None
+    ) -> list[tuple[int, int]] | None:
+        """The element ranges of the fragments where `holder`'s state differs from `base`; None: download it all."""
+        if not base or not parts or len(holder.part_digests) != len(parts):
+            return None
+        mine = part_digests(base, parts)
+        ranges = [r for p, theirs in enumerate(holder.part_digests) if theirs != mine[p] for r in parts[p]]
+        return ranges or None
 
     async def _fetch_state(
-        self, min_step: int, expected: dict[str, tuple[int, ...]], timeout: float, better: bool = False
+        self,
+        min_step: int,
+        expected: dict[str, tuple[int, ...]],
+        timeout: float,
+        better: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+        parts: list[list[tuple[int, int]]] | None = None,
     ) -> StateSnapshot:
         assert self.channels is not None
         deadline = time.monotonic() + timeout
@@ -968,10 +995,12 @@ class Daemon:
                 votes[bytes(p.state_digest)] = votes.get(bytes(p.state_digest), 0) + 1
             peers = sorted(live, key=lambda p: (claim_of(p).rank, votes[bytes(p.state_digest)]), reverse=True)
             for p in peers:
-                req = sign(pb.StateRequest(min_step=min_step), "Download", self.identity, self.run_id)
+                ranges = self._differing_ranges(p, base, parts)
+                flat = [v for pair in ranges or () for v in pair]
+                req = sign(pb.StateRequest(min_step=min_step, ranges=flat), "Download", self.identity, self.run_id)
                 call = self.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
                 try:
-                    snap = await read_state(call.__aiter__(), expected, p.public_key)
+                    snap = await read_state(call.__aiter__(), expected, p.public_key, base, ranges)
                     if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
                         raise StreamError("bad_digest", "served state does not match the digest it gossiped")
                 except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
@@ -979,7 +1008,8 @@ class Daemon:
                     if isinstance(exc, StreamError):
                         self.count_rejected(exc.reason)
                     continue
-                log.info("downloaded state at step %d (work %d) from %s", snap.step, snap.work, p.peer_id[:8])
+                what = f"{len(ranges)} changed slices" if ranges else "whole"
+                log.info("downloaded state at step %d (work %d, %s) from %s", snap.step, snap.work, what, p.peer_id[:8])
                 self.status.state_downloads += 1
                 return snap
             await asyncio.sleep(0.5)

@@ -20,7 +20,7 @@ from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
-from peerd.statesync import state_messages
+from peerd.statesync import check_ranges, state_messages
 from peerd.streams import StreamError, verify_header
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
@@ -199,9 +199,18 @@ class StateService(rpc.StateServicer):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"state at step >= {request.min_step} not here (have {have})"
             )
+        ranges = None
+        if request.ranges:
+            sizes = {t.numel() for t in snap.tensors.values()}
+            try:
+                if len(sizes) != 1:
+                    raise StreamError("malformed", "this state's tensors differ in size: ask for whole tensors")
+                ranges = check_ranges(list(request.ranges), sizes.pop())
+            except StreamError as exc:
+                await self.d.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
         if faults.STATE_STALL_S:
             await asyncio.sleep(faults.STATE_STALL_S)
-        for msg in state_messages(snap, self.d.identity, self.d.cfg.network.chunk_bytes):
+        for msg in state_messages(snap, self.d.identity, self.d.cfg.network.chunk_bytes, ranges):
             self.d.count_sent("state", len(msg.chunk), len(msg.chunk))
             yield msg
 

@@ -26,10 +26,38 @@ class StateSnapshot:
     step: int
     tensors: dict[str, torch.Tensor]
     work: int = 0  # peer-rounds behind this state (peerd/consistency.py)
+    parts: list[Ranges] | None = None  # Streaming: each fragment's element ranges in the flat state tensors
 
     @property
     def digest(self) -> bytes:
         return state_digest(self.step, self.tensors, self.work)
+
+
+Ranges = list[tuple[int, int]]  # (offset, length) pairs of elements in a flat tensor
+MAX_RANGES = 1 << 16  # a request asking for more slices than this is refused
+
+
+def check_ranges(flat: list[int], numel: int) -> Ranges:
+    """A request's (offset, length) pairs, checked against the state's size before anything is read or allocated."""
+    if len(flat) % 2 or len(flat) > 2 * MAX_RANGES:
+        raise StreamError("malformed", f"ranges must be at most {MAX_RANGES} (offset, length) pairs")
+    pairs = [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+    if any(length <= 0 or off + length > numel for off, length in pairs):
+        raise StreamError("malformed", f"a range lies outside the state's {numel} elements")
+    return pairs
+
+
+def part_digests(tensors: dict[str, torch.Tensor], parts: list[Ranges]) -> list[bytes]:
+    """One digest per part (fragment): its slices of every state tensor, in name order."""
+    out = []
+    for ranges in parts:
+        h = hashlib.sha256()
+        for name in sorted(tensors):
+            flat = tensors[name].reshape(-1)
+            for off, length in ranges:
+                h.update(tensor_bytes(flat[off : off + length]))
+        out.append(h.digest())
+    return out
 
 
 def tensor_bytes(t: torch.Tensor) -> bytearray:
@@ -49,9 +77,16 @@ def state_digest(step: int, tensors: dict[str, torch.Tensor], work: int = 0) -> 
     return h.digest()
 
 
-def state_messages(snapshot: StateSnapshot, identity: Identity, chunk_bytes: int) -> Iterator[pb.StateMessage]:
+def state_messages(
+    snapshot: StateSnapshot, identity: Identity, chunk_bytes: int, ranges: Ranges | None = None
+) -> Iterator[pb.StateMessage]:
+    """The state as a stream; with `ranges` (checked by the caller) only those slices of every tensor."""
     names = sorted(snapshot.tensors)
-    blobs = [tensor_bytes(snapshot.tensors[n]) for n in names]
+    if ranges:
+        flats = [snapshot.tensors[n].reshape(-1) for n in names]
+        blobs = [bytearray().join(tensor_bytes(f[o : o + k]) for o, k in ranges) for f in flats]
+    else:
+        blobs = [tensor_bytes(snapshot.tensors[n]) for n in names]
     digest = hashlib.sha256()
     for n, blob in zip(names, blobs, strict=True):
         digest.update(n.encode())
@@ -62,6 +97,7 @@ def state_messages(snapshot: StateSnapshot, identity: Identity, chunk_bytes: int
         total_bytes=sum(len(b) for b in blobs),
         state_digest=snapshot.digest,
         work=snapshot.work,
+        ranges=[v for pair in ranges or () for v in pair],
     )
     yield pb.StateMessage(header=header)
     for blob in blobs:
@@ -73,9 +109,15 @@ def state_messages(snapshot: StateSnapshot, identity: Identity, chunk_bytes: int
 
 
 async def read_state(
-    messages: AsyncIterator[pb.StateMessage], expected: dict[str, tuple[int, ...]], sender_key: bytes
+    messages: AsyncIterator[pb.StateMessage],
+    expected: dict[str, tuple[int, ...]],
+    sender_key: bytes,
+    base: dict[str, torch.Tensor] | None = None,
+    ranges: Ranges | None = None,
 ) -> StateSnapshot:
-    """Receive a state stream; `expected` maps each tensor name to the shape this peer's model needs."""
+    """Receive a state stream; `expected` maps each tensor name to the shape this peer's model needs. With `ranges`
+    the stream carries only those slices, which are patched into copies of `base` (our own state); the result must
+    then match the sender's whole-state digest, so a partial download ends bit-identical to a full one."""
     first = await messages.__anext__()
     if first.WhichOneof("part") != "header":
         raise StreamError("malformed", "state stream must start with a header")
@@ -94,7 +136,9 @@ async def read_state(
         n = 1
         for d in spec.shape:
             n *= d
-        sizes.append(4 * n)
+        sizes.append(4 * (sum(k for _, k in ranges) if ranges else n))
+    if list(header.ranges) != [v for pair in ranges or () for v in pair]:
+        raise StreamError("malformed", "state stream carries other ranges than the ones asked for")
     if header.total_bytes != sum(sizes):
         raise StreamError("malformed", "state header's total size does not match its tensors")
     buf = bytearray()
@@ -119,10 +163,18 @@ async def read_state(
         blob = memoryview(buf)[off : off + size]
         digest.update(spec.name.encode())
         digest.update(blob)
-        t = torch.frombuffer(bytearray(blob), dtype=torch.float32).reshape(tuple(spec.shape))
+        t = torch.frombuffer(bytearray(blob), dtype=torch.float32)
         if not torch.isfinite(t).all():
             raise StreamError("nan", f"state tensor {spec.name} contains NaN or Inf")
-        tensors[spec.name] = t
+        if ranges:
+            assert base is not None
+            full = base[spec.name].detach().to("cpu", torch.float32).reshape(-1).clone()
+            pos = 0
+            for o, k in ranges:
+                full[o : o + k] = t[pos : pos + k]
+                pos += k
+            t = full
+        tensors[spec.name] = t.reshape(tuple(spec.shape))
         off += size
     d = digest.digest()
     if trailer.digest != d or not verify(sender_key, trailer.signature, d):

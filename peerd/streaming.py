@@ -496,7 +496,12 @@ class StreamingDiLoCo(OuterAlgorithm):
         t0 = time.perf_counter()
         try:
             snap = daemon.fetch_state(
-                -1, {"params": (numel,), "outer_momentum": (numel,)}, timeout=self.resync_timeout, better=True
+                -1,
+                {"params": (numel,), "outer_momentum": (numel,)},
+                timeout=self.resync_timeout,
+                better=True,
+                base=self.state_tensors(),
+                parts=self.part_ranges(),
             )
             worker.adopt(snap, "fork" if fork else "behind")
         except (RoundFailed, ValueError) as exc:
@@ -527,6 +532,9 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.needs_resync = True
 
     # -- OuterAlgorithm state --------------------------------------------------------------------------------
+    def part_ranges(self) -> list[list[tuple[int, int]]]:
+        return [self.state.layout.slice(names) for names in self.state.fragments]
+
     def state_tensors(self) -> dict[str, Tensor]:
         return {"params": self.state.global_params.clone(), "outer_momentum": self.state.momentum_flat()}
 

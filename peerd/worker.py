@@ -345,7 +345,10 @@ class Worker:
 
     def publish(self, finished: bool = False) -> None:
         self.daemon.publish(
-            StateSnapshot(self.outer_step, self.algorithm.state_tensors(), self.algorithm.work), finished
+            StateSnapshot(
+                self.outer_step, self.algorithm.state_tensors(), self.algorithm.work, self.algorithm.part_ranges()
+            ),
+            finished,
         )
 
     def write_summary(self) -> None:

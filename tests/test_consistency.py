@@ -111,3 +111,44 @@ def test_redial_backs_off_and_heals() -> None:
         assert r.healed >= 1
 
     asyncio.run(main())
+
+
+def test_a_partial_state_download_patches_only_the_changed_fragments() -> None:
+    import pytest
+    import torch
+
+    from peerd.statesync import StateSnapshot, check_ranges, part_digests, read_state, state_messages
+    from peerd.streams import StreamError
+
+    ident = Identity.generate()
+    parts = [[(0, 3), (6, 2)], [(3, 3)]]  # two fragments, one of them split in two slices
+    theirs = {"params": torch.arange(8.0), "outer_momentum": torch.arange(8.0) / 10}
+    snap = StateSnapshot(5, theirs, work=9, parts=parts)
+    mine = {k: v.clone() for k, v in theirs.items()}
+    mine["params"][1] = 100.0  # only fragment 0 differs
+    mine["outer_momentum"][7] = -1.0
+    pairs = zip(part_digests(mine, parts), part_digests(theirs, parts), strict=True)
+    changed = [p for p, (a, b) in enumerate(pairs) if a != b]
+    assert changed == [0]
+    ranges = parts[0]
+
+    async def fetch(base: dict) -> StateSnapshot:
+        async def stream():
+            for m in state_messages(snap, ident, 4, ranges):
+                yield m
+
+        return await read_state(stream(), {"params": (8,), "outer_momentum": (8,)}, ident.public_key, base, ranges)
+
+    got = asyncio.run(fetch(mine))
+    assert got.digest == snap.digest and got.work == 9
+    assert torch.equal(got.tensors["params"], theirs["params"])
+    # our copy also differs outside the slices we asked for: the patched state cannot match the whole-state digest
+    bad = {k: v.clone() for k, v in mine.items()}
+    bad["params"][4] = 7.5
+    with pytest.raises(StreamError) as info:
+        asyncio.run(fetch(bad))
+    assert info.value.reason == "bad_digest"
+    with pytest.raises(StreamError):
+        check_ranges([0, 9], 8)  # past the end: refused before anything is read
+    with pytest.raises(StreamError):
+        check_ranges([0], 8)

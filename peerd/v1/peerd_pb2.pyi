@@ -23,7 +23,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PeerInfo(_message.Message):
     WORK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PART_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -52,7 +53,8 @@ class PeerInfo(_message.Message):
     work: int
     finished: bool
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    part_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -329,12 +331,14 @@ class MatchResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("auth", "min_step")
+    __slots__ = ("auth", "min_step", "ranges")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     min_step: int
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., min_step: _Optional[int] = ...) -> None: ...
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., min_step: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -347,20 +351,22 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale", "work")
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale", "work", "ranges")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     INNER_LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     state_digest: bytes
     inner_lr_scale: float
     work: int
-    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ..., work: _Optional[int] = ...) -> None: ...
+    ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
