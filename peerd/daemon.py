@@ -826,9 +826,12 @@ class Daemon:
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
     ) -> None:
         s = result.stats
-        # Judged against the run, not the shrunken live set: peers seen live within network.forget_after count as
-        # expected, so a round held by one half of a split is partial, and a round of one is a solo step.
-        expected = sorted(set(group.expected) | set(self.membership.expected()))
+        # DiLoCo and Streaming rounds (recorded on the loop) are judged against the run, not the shrunken live set:
+        # peers seen live within network.forget_after count as expected, so a round held by one half of a split is
+        # partial, and a round of one is a solo step. NoLoCo's rounds are pairs by design and judged by their group
+        # (recorded from the training thread, which never reads the table); it counts its own solo steps.
+        run_level = self.cfg.run.algorithm in ("diloco", "streaming")
+        expected = sorted(set(group.expected) | set(self.membership.expected())) if run_level else list(group.expected)
         partial = result.partial or len(set(result.included)) < len(expected)
         solo = len(set(result.included)) <= 1
         summary = pb.RoundSummary(
@@ -848,9 +851,10 @@ class Daemon:
         self.status.bytes_sent_raw += s.raw_bytes
         self.status.bytes_sent_wire += s.wire_bytes
         self.status.bytes_received_wire += s.received_wire_bytes
-        self.note_alone(len(set(result.included)), len(expected))
+        if run_level:  # NoLoCo says "no partner ...; stepped alone" for each such step itself
+            self.note_alone(len(set(result.included)), len(expected))
         if solo:
-            self.status.solo_steps += 1
+            self.status.solo_steps += run_level
         elif partial:
             self.status.rounds_partial += 1
             missing = sorted(set(expected) - set(result.included))

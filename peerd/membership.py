@@ -170,11 +170,12 @@ class Membership:
         return max(info.outer_step, hint)
 
     def silent_for(self, peer_id: str, now: float | None = None) -> float:
-        """Seconds since `peer_id`'s heartbeat last advanced here (0 for ourselves, inf for a stranger)."""
-        if peer_id == self.me.peer_id:
-            return 0.0
+        """Seconds since `peer_id`'s heartbeat last advanced here (0 for ourselves, and for a peer we have not heard
+        of yet: a newcomer in a round is no evidence of silence)."""
         e = self.entries.get(peer_id)
-        return float("inf") if e is None else (time.monotonic() if now is None else now) - e.last_advance
+        if peer_id == self.me.peer_id or e is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - e.last_advance
 
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:
