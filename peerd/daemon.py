@@ -834,6 +834,7 @@ class Daemon:
         expected = sorted(set(group.expected) | set(self.membership.expected())) if run_level else list(group.expected)
         partial = result.partial or len(set(result.included)) < len(expected)
         solo = len(set(result.included)) <= 1
+        solo_step = run_level and solo  # NoLoCo keeps its old accounting: a lost partner is a partial step
         summary = pb.RoundSummary(
             step=group.step,
             algorithm=self.cfg.run.algorithm,
@@ -853,8 +854,8 @@ class Daemon:
         self.status.bytes_received_wire += s.received_wire_bytes
         if run_level:  # NoLoCo says "no partner ...; stepped alone" for each such step itself
             self.note_alone(len(set(result.included)), len(expected))
-        if solo:
-            self.status.solo_steps += run_level
+        if solo_step:
+            self.status.solo_steps += 1
         elif partial:
             self.status.rounds_partial += 1
             missing = sorted(set(expected) - set(result.included))
@@ -867,7 +868,7 @@ class Daemon:
             )
         if self.metrics is not None:
             m = self.metrics
-            outcome = "solo" if solo else ("partial" if partial else "complete")
+            outcome = "solo" if solo_step or (solo and not partial) else ("partial" if partial else "complete")
             m.record_round(
                 outcome,
                 peers=len(result.included),

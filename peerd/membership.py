@@ -35,6 +35,12 @@ def entry_bytes(info: pb.PeerInfo, run_id: bytes) -> bytes:
     return ENTRY_DOMAIN + run_id + body.SerializeToString(deterministic=True)
 
 
+def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes]) -> pb.PeerInfo:
+    """Sign `info` in place as its own subject (the key behind `sign` must be info.public_key's)."""
+    info.signature = sign(entry_bytes(info, run_id))
+    return info
+
+
 def entry_is_signed(info: pb.PeerInfo, run_id: bytes) -> bool:
     return verify(info.public_key, info.signature, entry_bytes(info, run_id))
 
@@ -95,7 +101,7 @@ class Membership:
         if self._sign is not None:
             body = entry_bytes(self.me, self.run_id)
             if body != self._signed_body or not self.me.signature:
-                self.me.signature = self._sign(body)
+                sign_entry(self.me, self.run_id, self._sign)
                 self._signed_body = body
         return self.me
 

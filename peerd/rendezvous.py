@@ -112,11 +112,15 @@ class RendezvousLeader:
         step = key[0]
         loop = asyncio.get_running_loop()
         m = self.membership
+
+        def at(p: pb.PeerInfo) -> int:  # our own step is known live; others' from gossip and shared rounds
+            return self.my_step() if p.peer_id == m.self_id else m.step_of(p)
+
         expected = {
             p.peer_id
             for p in m.alive()
             # peers at step-1 may have finished that round a moment ago without gossip saying so yet
-            if m.step_of(p) in (step - 1, step) and not p.left and not p.finished and p.peer_id not in suspects
+            if at(p) in (step - 1, step) and not p.left and not p.finished and p.peer_id not in suspects
         }
         pend = _Pending(
             key,

@@ -19,6 +19,7 @@ from peerd.channels import CHANNEL_OPTIONS
 from peerd.config import ConfigError, RunConfig
 from peerd.envelope import set_admission_prover, sign
 from peerd.identity import Identity
+from peerd.membership import sign_entry
 from peerd.streams import HEADER_METHOD
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
@@ -231,6 +232,7 @@ def _requests(run: Run, ident: Identity, adm: Admission | None) -> dict[str, obj
     try:
         run_id = run.cfg.run_id()
         info = pb.PeerInfo(peer_id=ident.peer_id, public_key=ident.public_key, address="127.0.0.1:9")
+        sign_entry(info, run_id, ident.sign)  # as a real peer does: gossip refuses entries not signed by their subject
         header = sign(pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=4, codec="fp32"), HEADER_METHOD, ident, run_id)
         return {
             "Join": sign(pb.JoinRequest(self=info, run_spec_json=run.cfg.spec_json()), "Join", ident, run_id),

@@ -26,7 +26,7 @@ needs_netns = pytest.mark.skipif(not _OK, reason=f"network namespaces unavailabl
 PACE = ("PEERD_FAULT_STEP_DELAY_S", "0.04")  # paced inner steps, so a fault lands mid-run on any machine
 
 
-def _config(tmp_path: Path, algorithm: str, steps: int, **kw: Any) -> Path:
+def _config(tmp_path: Path, algorithm: str, steps: int, linger: float = 40.0, **kw: Any) -> Path:
     extra: dict[str, Any] = {"run__algorithm": algorithm, "run__outer_steps": steps}
     if algorithm == "streaming":
         extra |= {"inner__steps": 8, "streaming__fragments": 2, "streaming__tau": 2}
@@ -36,7 +36,7 @@ def _config(tmp_path: Path, algorithm: str, steps: int, **kw: Any) -> Path:
         network__rendezvous_timeout=3.0,
         network__round_timeout=10.0,
         network__redial_max=2.0,
-        network__linger=40.0,
+        network__linger=linger,
         **extra,
         **kw,
     )
@@ -98,6 +98,33 @@ def test_a_split_heals_into_one_model(
         assert summaries[small[0]]["solo_steps"] > 0
     # one half's state lost the split-brain rule and was replaced by the other's
     assert sum(s["forks_healed"] + s["state_downloads"] for s in summaries) >= 1, (during, took)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@needs_netns
+def test_halves_meet_again_without_the_bootstrap_peer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bootstrap peer dies during a 2+2 split: the survivors of both halves still find each other (they re-dial
+    each other's dead entries, not only bootstrap addresses) and end with one model."""
+    from tests.netswarm import NetSwarm
+
+    monkeypatch.setenv(*PACE)
+    cfg = _config(tmp_path, "diloco", steps=60, linger=8.0)  # the dead peer is waited for (linger) at the end
+    with NetSwarm(tmp_path, 4, cfg) as swarm:
+        _wait_step(swarm, 3, 120)
+        swarm.net.partition([[0, 1], [2, 3]])
+        time.sleep(4.0)
+        swarm.kill(0)  # the bootstrap peer, for good
+        time.sleep(8.0)
+        swarm.net.heal()
+        swarm.wait_until(lambda: len(swarm.status(1).alive) == 3, 60, "the halves to meet again")
+        swarm.wait_exit(240, swarm.peers[1:])
+    dirs = [p.data_dir for p in swarm.peers[1:]]
+    assert_identical_globals(dirs)
+    summaries = [p.summary() for p in swarm.peers[1:]]
+    _check_honest(summaries)
+    assert all(s["finished"] for s in summaries)
+    assert "answers again" in swarm.peers[1].log() + swarm.peers[2].log() + swarm.peers[3].log()
 
 
 @pytest.mark.root
