@@ -22,6 +22,7 @@ is longer; chaos: 0 forks and 0 unreported solo steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -86,12 +87,20 @@ def _lost_steps(log: str, cut_at: float, healed: float) -> int:
     return max((step_at(t) - step_at(cut_at) for t in downloads[:1]), default=0)
 
 
-def split_run(groups: list[list[int]], cut_s: float, algorithm: str) -> dict[str, Any]:
+def _workdir(keep: str | None) -> Any:
+    """A temporary directory, or `keep` (kept afterwards, with every peer's log) when given."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        return contextlib.nullcontext(tempfile.mkdtemp(prefix="run-", dir=keep))
+    return tempfile.TemporaryDirectory(prefix="peerd-bench-partition-")
+
+
+def split_run(groups: list[list[int]], cut_s: float, algorithm: str, keep: str | None = None) -> dict[str, Any]:
     from tests.netswarm import NetSwarm
 
     n = sum(len(g) for g in groups)
     os.environ["PEERD_FAULT_STEP_DELAY_S"] = PACE_S
-    with tempfile.TemporaryDirectory(prefix="peerd-bench-partition-") as tmp_s:
+    with _workdir(keep) as tmp_s:
         tmp = Path(tmp_s)
         # A finite run that, at full pace, ends ~25 s after the heal (slower machines: later), so the final
         # checkpoints of all peers must agree bit for bit.
@@ -218,6 +227,7 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-every", type=float, default=8.0)
+    ap.add_argument("--workdir", help="keep each run's peer logs and checkpoints under this directory")
     args = ap.parse_args()
     rows = []
     if args.chaos:
@@ -239,7 +249,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     print(json.dumps(noloco_run(groups, cut)), flush=True)
                 continue
-            runs = [split_run(groups, cut, args.algorithm) for _ in range(args.repeats)]
+            runs = [split_run(groups, cut, args.algorithm, args.workdir) for _ in range(args.repeats)]
             for r in runs:
                 print(json.dumps(r), flush=True)
             heal = [r["heal_s"] for r in runs if r["heal_s"] is not None]

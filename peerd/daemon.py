@@ -618,13 +618,19 @@ class Daemon:
             return pb.RendezvousResponse(redirect=leader)
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
         behind = self.status.outer_step > request.step and outranks(self.my_claim(), theirs)
+        lineage = bytes(request.state_digest) if self.ranked else b""
         return await self.leader.join(
-            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind
+            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind, lineage
         )
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.membership.alive())
         return steps[(len(steps) - 1) // 2] if steps else self.status.outer_step  # the lower median
+
+    @property
+    def ranked(self) -> bool:
+        """DiLoCo and Streaming keep one model per run: states are ranked and rounds grouped by lineage."""
+        return self.cfg.run.algorithm in ("diloco", "streaming")
 
     def my_claim(self) -> Claim:
         """What we hold: (work, step, digest) of the state we published (read on the loop)."""
@@ -651,7 +657,8 @@ class Daemon:
                     ]
                     target = lower[0] if lower else target
             if target.peer_id == self.identity.peer_id:
-                return await self.leader.join(step, fragment, self.me, sorted(suspects), failed_round)
+                lineage = bytes(self.me.state_digest) if self.ranked else b""
+                return await self.leader.join(step, fragment, self.me, sorted(suspects), failed_round, False, lineage)
             mine = self.my_claim()
             req = sign(
                 pb.RendezvousRequest(

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from peerd.membership import Membership
 from peerd.v1 import peerd_pb2 as pb
 
+Key = tuple[int, int, bytes]  # (step, fragment, lineage: the state digest the members start from; b"": any)
+
 
 @dataclass
 class _Pending:
-    key: tuple[int, int]  # (step, fragment)
+    key: Key
     generation: int  # the leader's count of groups for this key (a retry after a failed round is the next one)
     expected: set[str]
     joined: dict[str, pb.PeerInfo] = field(default_factory=dict)
@@ -41,11 +43,16 @@ class Behind(Exception):
 
 
 class RendezvousLeader:
-    """Leader-side bookkeeping: at most one open group per (step, fragment).
+    """Leader-side bookkeeping: at most one open group per (step, fragment, lineage).
 
     Members' attempt counters are not part of the key: a retry after a failed round opens the next group only when a
     member names the group it failed in (`failed_round`), and every other request for the step joins the open group.
     So honest peers cannot form two groups for one step here, whatever their attempt counters say.
+
+    The lineage is the digest of the state the members start the round from (DiLoCo and Streaming). A round only
+    merges peers that hold the same global state: averaged pseudo-gradients applied to different globals leave them
+    different. So after a split heals, each half's groups stay apart (and neither blocks the other with a closed
+    group of its own lineage) until the losing half adopts the winner's state and, with it, the winner's lineage.
     """
 
     def __init__(
@@ -59,9 +66,9 @@ class RendezvousLeader:
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.my_step = my_step
-        self.pending: dict[tuple[int, int], _Pending] = {}
-        self.closed: dict[tuple[int, int], pb.Group] = {}
-        self.refused: dict[tuple[int, int], set[str]] = {}  # the leader's own blame, kept across generations
+        self.pending: dict[Key, _Pending] = {}
+        self.closed: dict[Key, pb.Group] = {}
+        self.refused: dict[Key, set[str]] = {}  # the leader's own blame, kept across generations
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
 
     async def join(
@@ -72,11 +79,16 @@ class RendezvousLeader:
         suspects: list[str],
         failed_round: bytes = b"",
         behind_me: bool = False,
+        lineage: bytes = b"",
     ) -> pb.RendezvousResponse:
         """Register `info` for the round and wait until its group closes. `behind_me`: the caller's state ranks
         below ours and our step is ahead of its step, so its round is already done (peerd/consistency.py)."""
         self.newest_step = max(self.newest_step, step)
-        key = (step, fragment)
+        if info.peer_id == self.membership.self_id and fragment < 0:
+            # We moved on to `step` (a round, or a downloaded state): groups still open for earlier steps wait for a
+            # state nobody holds any more; their members resync rather than wait out the deadlines.
+            self.on_ahead(step)
+        key = (step, fragment, lineage)
         pend = self.pending.get(key)
         if pend is None:
             done = self.closed.get(key)
@@ -108,19 +120,28 @@ class RendezvousLeader:
             return pb.RendezvousResponse(behind=step + 1)
         return pb.RendezvousResponse(group=group)
 
-    def _open(self, key: tuple[int, int], generation: int, suspects: list[str]) -> _Pending:
+    def _open(self, key: Key, generation: int, suspects: list[str]) -> _Pending:
         step = key[0]
         loop = asyncio.get_running_loop()
         m = self.membership
 
+        lineage = key[2]
+
         def at(p: pb.PeerInfo) -> int:  # our own step is known live; others' from gossip and shared rounds
             return self.my_step() if p.peer_id == m.self_id else m.step_of(p)
+
+        def other_lineage(p: pb.PeerInfo) -> bool:  # at this step, holding another state: it will not come
+            return bool(lineage) and p.outer_step == step and bool(p.state_digest) and p.state_digest != lineage
 
         expected = {
             p.peer_id
             for p in m.alive()
             # peers at step-1 may have finished that round a moment ago without gossip saying so yet
-            if at(p) in (step - 1, step) and not p.left and not p.finished and p.peer_id not in suspects
+            if at(p) in (step - 1, step)
+            and not p.left
+            and not p.finished
+            and p.peer_id not in suspects
+            and not other_lineage(p)
         }
         pend = _Pending(
             key,
@@ -143,26 +164,34 @@ class RendezvousLeader:
                 pend.joined.clear()
                 self._close(key)
 
-    def _on_deadline(self, key: tuple[int, int], pend: _Pending) -> None:
+    def _on_deadline(self, key: Key, pend: _Pending) -> None:
         """Close at the deadline, unless fewer than a majority of the live expected peers joined: then wait up to
         two more deadlines, so a minority that was quicker (e.g. after a failed round) cannot move the swarm's
         state ahead on its own and make the majority download it."""
         if self.pending.get(key) is not pend:
             return
-        alive = {p.peer_id for p in self.membership.alive()}
-        pend.expected = {p for p in pend.expected if p in alive} | set(pend.joined)
+        m = self.membership
+        step = key[0]
+        # Still expected: live, and not known to be past this step (after a heal, peers that downloaded a newer
+        # state will never come; waiting for a majority that includes them only delays the members who did).
+        waiting = {
+            p.peer_id
+            for p in m.alive()
+            if (self.my_step() if p.peer_id == m.self_id else m.step_of(p)) <= step or key[1] >= 0
+        }
+        pend.expected = {p for p in pend.expected if p in waiting} | set(pend.joined)
         if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:
             pend.extensions += 1
             asyncio.get_running_loop().call_later(self.timeout_s, self._on_deadline, key, pend)
             return
         self._close(key)
 
-    def _close(self, key: tuple[int, int]) -> None:
+    def _close(self, key: Key) -> None:
         pend = self.pending.pop(key, None)
         if pend is None or pend.result is None or pend.result.done():
             return
         members = sorted(pend.joined.values(), key=lambda p: p.peer_id)
-        step, fragment = key
+        step, fragment, _ = key
         group = pb.Group(
             step=step,
             attempt=pend.generation,

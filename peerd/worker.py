@@ -151,7 +151,7 @@ class Worker:
     def ranked(self) -> bool:
         """DiLoCo and Streaming hold one model per run, so states are ranked (peerd/consistency.py); NoLoCo's slow
         weights differ by design and a peer that fell behind simply takes the newest."""
-        return self.cfg.run.algorithm in ("diloco", "streaming")
+        return self.daemon.ranked
 
     def resync(self, min_step: int, why: str = "behind") -> bool:
         """Adopt the canonical global state and continue from it (local progress since the last sync is lost). For

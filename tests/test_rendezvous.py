@@ -74,6 +74,28 @@ def test_one_open_group_per_step_whatever_the_attempt_counters() -> None:
     asyncio.run(main())
 
 
+def test_lineages_never_share_or_block_a_group() -> None:
+    """After a split heals, the losing half's closed group for a step must not turn the winners away as "behind",
+    and peers holding different states never average together (it would not make them agree)."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=0.5, my_step=lambda: 0)
+        old, new = b"A" * 32, b"B" * 32
+        for p in (a, b):  # gossip says a and b hold lineage A at step 0; lead and c hold B
+            m.entries[p.peer_id].info.state_digest = old
+        for p in (c,):
+            m.entries[p.peer_id].info.state_digest = new
+        m.me.state_digest = new
+        first = await asyncio.wait_for(asyncio.gather(*(leader.join(0, -1, p, [], lineage=old) for p in (a, b))), 4)
+        assert {x.peer_id for x in first[0].group.members} == {a.peer_id, b.peer_id}
+        second = await asyncio.wait_for(asyncio.gather(*(leader.join(0, -1, p, [], lineage=new) for p in (lead, c))), 4)
+        assert all(r.WhichOneof("result") == "group" for r in second)
+        assert {x.peer_id for x in second[0].group.members} == {lead.peer_id, c.peer_id}
+
+    asyncio.run(main())
+
+
 def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     exc = RoundFailed("bad contribution", {"x" * 32, "y" * 32})
     md = suspects_metadata(exc)
