@@ -29,7 +29,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from peerd import tls
+from peerd import faults, tls
 from peerd.admission import Admission, AdmissionError
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -39,6 +39,7 @@ from peerd.envelope import AuthError, Verifier, set_admission_prover, sign
 from peerd.identity import Identity, peer_id_of
 from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
+from peerd.reachability import Reachability, dialable
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
@@ -159,6 +160,7 @@ class Daemon:
         self.channels: Channels | None = None
         self.leader: RendezvousLeader | None = None
         self.pairing: Any = None  # set by the NoLoCo algorithm
+        self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, join_timeout: float = 60.0) -> None:
@@ -193,7 +195,7 @@ class Daemon:
         server = grpc.aio.server(
             options=CHANNEL_OPTIONS + SERVER_OPTIONS,
             maximum_concurrent_rpcs=1024,
-            interceptors=[self.limits.interceptor(self.count_rejected)],
+            interceptors=[*faults.inbound_blockers(), self.limits.interceptor(self.count_rejected)],
         )
         from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -289,7 +291,7 @@ class Daemon:
             self.me.left = True
             self.me.heartbeat += 1
             req = sign(pb.LeaveRequest(self=self.me), "Leave", self.identity, self.run_id)
-            peers = self.membership.alive(include_self=False)
+            peers = [p for p in self.membership.alive(include_self=False) if dialable(p)]
             await asyncio.gather(
                 *(self.channels.membership(p.address, p).Leave(req, timeout=2) for p in peers), return_exceptions=True
             )
@@ -313,6 +315,7 @@ class Daemon:
                 except (OSError, TimeoutError, tls.TlsError) as exc:
                     last = f"{spec}: {exc}"
                     continue
+                await self.reach.before_join(addr)
                 req = sign(
                     pb.JoinRequest(self=self.me, run_spec_json=self.cfg.spec_json(), dialed_address=addr),
                     "Join",
@@ -363,7 +366,8 @@ class Daemon:
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.membership.bump()
             self._refresh_suspects()
-            others = self.membership.alive(include_self=False)
+            others = self.reach.dial_targets(self.membership.alive(include_self=False))
+            self.reach.tick(others)
             targets = random.sample(others, min(3, len(others)))
             if targets:
                 await asyncio.gather(*(self._gossip_one(p) for p in targets))
@@ -389,6 +393,7 @@ class Daemon:
             return
         self.count_sent("gossip", 0, req.ByteSize())
         self.membership.merge(resp.peers)
+        self.reach.observe(peer, resp.observed_address)
 
     def adopt_address(self, dialed: str) -> None:
         """A joiner reached us at `dialed`: if we do not know our public address yet, that is it."""
@@ -503,7 +508,7 @@ class Daemon:
         # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
         # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
         excluded = set(request.suspects) - {self.identity.peer_id}
-        leader = next(p for p in self.membership.settled() if p.peer_id not in excluded)
+        leader = next(p for p in self.membership.settled() if p.peer_id not in excluded and dialable(p))
         if leader.peer_id < self.identity.peer_id:
             return pb.RendezvousResponse(redirect=leader)
         return await self.leader.join(request.step, request.fragment, request.attempt, info, list(request.suspects))
@@ -521,7 +526,10 @@ class Daemon:
         timeout = 3 * self.cfg.network.rendezvous_timeout + 10.0
         for _ in range(16):
             if target is None:
-                candidates = [p for p in self.membership.settled() if p.peer_id not in tried]
+                # outbound-only peers never lead: nobody could dial them
+                candidates = [p for p in self.membership.settled() if p.peer_id not in tried and dialable(p)]
+                if not candidates and self.me.outbound_only:
+                    raise RoundFailed("no reachable peer to lead the round: this peer cannot be dialled either")
                 target = candidates[0] if candidates else self.me
             if target.peer_id == self.identity.peer_id:
                 return await self.leader.join(step, fragment, attempt, self.me, sorted(suspects))
@@ -736,7 +744,7 @@ class Daemon:
         deadline = time.monotonic() + timeout
         errors: list[str] = []
         while time.monotonic() < deadline:
-            live = [p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step]
+            live = [p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step and dialable(p)]
             # Prefer the (step, digest) the most peers agree on, then the newest: one hostile peer gossiping a far
             # step cannot make joiners download its state while honest peers agree on theirs.
             votes: dict[tuple[int, bytes], int] = {}
@@ -794,6 +802,7 @@ class Daemon:
             history=[pb.OuterStepRecord(**h) for h in list(s.history)[-16:]],
             banned=self.bans.banned(),
             rejected_contributions=s.rejected_contributions,
+            reachability=self.reach.line(),
         )
         if redact:
             msg.redacted = True

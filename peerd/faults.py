@@ -6,10 +6,12 @@ normal run. Keep every injector here, so a reader sees in one place how a daemon
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sized
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sized
+from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from peerd.codecs import Codec, make_codec
@@ -60,3 +62,23 @@ def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
     body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian
     return seal_frame(parse_header(frame), body)
+
+
+# Refuse every inbound call but Status (which the local user asks): a peer behind a NAT or firewall, simulated without
+# root or namespaces. Each refused call is logged, so tests can check that nobody dials an outbound-only peer.
+NO_INBOUND = _env("PEERD_FAULT_NO_INBOUND") == "1"
+
+
+class _NoInbound(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        if details.method.endswith("/Status"):
+            return await continuation(details)
+        logging.getLogger("peerd").warning("fault: refused inbound call %s", details.method)
+        return None  # the caller sees UNIMPLEMENTED
+
+
+def inbound_blockers() -> list[grpc.aio.ServerInterceptor]:
+    """Server interceptors of the PEERD_FAULT_NO_INBOUND injector (none unless on)."""
+    return [_NoInbound()] if NO_INBOUND else []

@@ -116,7 +116,8 @@ def pair_session(daemon: Daemon, numel: int) -> Pairing:
         numel=numel,
         settings=settings,
         transport=GrpcTransport(lambda: daemon.channels),
-        candidates=lambda: daemon.membership.alive(include_self=False),
+        # Proposers dial their targets: outbound-only peers are never proposed to; they propose themselves.
+        candidates=lambda: daemon.reach.dial_targets(daemon.membership.alive(include_self=False)),
         lookup=daemon.membership.get,
         me=lambda: daemon.me,
         on_rejected=daemon.count_rejected,

@@ -1,0 +1,152 @@
+"""Peers behind a NAT or firewall (issue 11): the dial-back probe, outbound-only peers in every algorithm, relays.
+
+Swarm tests run real `peerd start` processes on 127.0.0.1; an outbound-only peer is simulated by the
+PEERD_FAULT_NO_INBOUND injector (peerd/faults.py), which refuses and logs every inbound call, so a test also sees
+that nobody dialled it. Namespace tests with real dropped SYNs are in tests/test_nat_netns.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+from peerd.demo import global_params
+from peerd.identity import Identity, verify
+from peerd.reachability import (
+    OUTBOUND_ONLY,
+    REACHABLE,
+    ProbeLimiter,
+    Reachability,
+    dialable,
+    echo_bytes,
+    same_host,
+    split_address,
+)
+from peerd.v1 import peerd_pb2 as pb
+from tests.swarm import Swarm, tiny_config
+
+NO_INBOUND = {"PEERD_FAULT_NO_INBOUND": "1"}
+OUTBOUND_LINE = "not reachable from outside: taking part as an outbound-only peer"
+
+
+# -- units ----------------------------------------------------------------------------------------------------------
+def test_old_entries_and_unchecked_peers_are_dialable() -> None:
+    assert dialable(pb.PeerInfo(peer_id="a"))
+    assert not dialable(pb.PeerInfo(peer_id="a", outbound_only=True))
+    # an entry serialized by a peer that predates the field parses with the flag off
+    assert not pb.PeerInfo.FromString(pb.PeerInfo(peer_id="a", address="h:1").SerializeToString()).outbound_only
+
+
+@pytest.mark.parametrize("bad", ["", "host", "host:", ":80", "host:0", "host:70000", "host:x"])
+def test_split_address_refuses_malformed(bad: str) -> None:
+    with pytest.raises(ValueError):
+        split_address(bad)
+
+
+def test_split_address_and_same_host() -> None:
+    assert split_address("10.0.0.1:7000") == ("10.0.0.1", 7000)
+    assert split_address("[::1]:7000") == ("::1", 7000)
+    assert same_host("::ffff:1.2.3.4", "::ffff:1.2.3.4") and not same_host("1.2.3.4", "1.2.3.5")
+
+
+def test_probe_limiter_per_key_per_host_and_concurrency() -> None:
+    lim = ProbeLimiter(per_key=(0.0, 2), per_host=(0.0, 3))
+    assert lim.allow("k1", "h", 0) and lim.allow("k1", "h", 0)
+    assert not lim.allow("k1", "h", 0)  # the key's budget is spent
+    assert lim.allow("k2", "h", 0)
+    assert not lim.allow("k3", "h", 0)  # the host's budget is spent, whatever the key
+    assert lim.allow("k3", "other", 0)
+    lim.running = 4
+    assert not lim.allow("k4", "h2", 0)
+
+
+class _FakeDaemon:
+    def __init__(self) -> None:
+        self.identity = Identity.generate()
+        self.run_id = b"r" * 32
+        self.me = pb.PeerInfo(peer_id=self.identity.peer_id, address="0.0.0.0:7000", heartbeat=5)
+        self.metrics = None
+
+
+def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
+    d: Any = _FakeDaemon()
+    r = Reachability(d)
+    assert r.echo(pb.ProbeEchoRequest(run_id=d.run_id, nonce=b"n" * 16)) is None
+    r.pending[b"n" * 16] = float("inf")
+    assert r.echo(pb.ProbeEchoRequest(run_id=b"x" * 32, nonce=b"n" * 16)) is None  # another run
+    sig = r.echo(pb.ProbeEchoRequest(run_id=d.run_id, nonce=b"n" * 16))
+    assert sig is not None and verify(d.identity.public_key, sig, echo_bytes(d.run_id, b"n" * 16))
+    r._set(OUTBOUND_ONLY, "1.2.3.4:7000")
+    assert d.me.outbound_only and d.me.heartbeat == 6
+    assert r.line().startswith(OUTBOUND_LINE) and "forward port 7000" in r.line() and "--announce" in r.line()
+    r._set(REACHABLE, "1.2.3.4:7000")
+    assert not d.me.outbound_only and d.me.heartbeat == 7 and r.line() == "reachable at 1.2.3.4:7000"
+
+
+# -- swarms on loopback ---------------------------------------------------------------------------------------------
+def keys_with_lowest_at(tmp_path: Path, n: int, lowest: list[int]) -> None:
+    """Identity keys for peer0..peer{n-1}; the peers in `lowest` get the lowest ids (so they would be the round
+    leaders, and the first shard owners, were they not outbound-only)."""
+    keys = sorted((Identity.generate() for _ in range(n)), key=lambda ident: ident.peer_id)
+    order = lowest + [i for i in range(n) if i not in lowest]
+    for i, ident in zip(order, keys, strict=True):
+        (tmp_path / f"peer{i}").mkdir(parents=True, exist_ok=True)
+        raw = ident.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        fd = os.open(tmp_path / f"peer{i}" / "identity.key", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+
+
+def run_swarm(tmp_path: Path, n: int, blocked: list[int], **cfg: Any) -> Swarm:
+    keys_with_lowest_at(tmp_path, n, blocked)
+    swarm = Swarm(tmp_path, n, tiny_config(tmp_path, **cfg))
+    wait = n
+    first = swarm.spawn(0, None, wait_peers=wait)
+    swarm.peers.append(first)
+    for i in range(1, n):
+        env = NO_INBOUND if i in blocked else None
+        swarm.peers.append(swarm.spawn(i, first.address, wait_peers=wait, env=env))
+    return swarm
+
+
+def assert_nobody_dialled(swarm: Swarm, blocked: list[int]) -> None:
+    for i in blocked:
+        log = swarm.peers[i].log()
+        assert OUTBOUND_LINE in log, swarm.peers[i].log_tail()
+        refused = [line for line in log.splitlines() if "fault: refused inbound call" in line]
+        assert len(refused) == 1 and "ProbeEcho" in refused[0], refused
+    for i, p in enumerate(swarm.peers):
+        if i not in blocked:
+            assert "reachable at 127.0.0.1:" in p.log(), p.log_tail()
+        assert "unreachable; trying the next" not in p.log()
+
+
+def assert_identical_globals(dirs: list[Path]) -> None:
+    params = [global_params(d) for d in dirs]
+    assert all(p is not None for p in params)
+    for a, b in itertools.combinations(params, 2):
+        assert torch.equal(a["params"], b["params"]), float((a["params"] - b["params"]).abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocked", [[1], [1, 2]], ids=["1of4", "2of4"])
+def test_diloco_with_outbound_only_peers(tmp_path: Path, blocked: list[int]) -> None:
+    steps = 5
+    swarm = run_swarm(tmp_path, 4, blocked, run__outer_steps=steps)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, blocked)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    ids = {p.summary()["peer_id"] for p in swarm.peers}
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == steps and s["rounds_partial"] == 0, s
+        assert all(set(r["included"]) == ids for r in s["rounds"]), s["rounds"]
