@@ -150,3 +150,42 @@ def test_diloco_with_outbound_only_peers(tmp_path: Path, blocked: list[int]) -> 
         s = p.summary()
         assert s["outer_step"] == steps and s["rounds_partial"] == 0, s
         assert all(set(r["included"]) == ids for r in s["rounds"]), s["rounds"]
+
+
+@pytest.mark.slow
+def test_streaming_with_two_of_four_outbound_only(tmp_path: Path) -> None:
+    from tests.test_streaming import STREAMING, assert_same_digest_after_every_sync, stats_of
+
+    cfg = dict(run__outer_steps=3, inner__steps=8, streaming__tau=2, streaming__late_policy="wait", **STREAMING)
+    swarm = run_swarm(tmp_path, 4, [1, 2], **cfg)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1, 2])
+    dirs = [p.data_dir for p in swarm.peers]
+    assert_identical_globals(dirs)
+    assert assert_same_digest_after_every_sync(dirs) == 5
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 3 and s["rounds_partial"] == 0, s
+        assert all(r["included"] == 4 for r in stats_of(p.data_dir)["syncs"])
+
+
+@pytest.mark.slow
+def test_noloco_outbound_only_peer_proposes_and_is_never_dialled(tmp_path: Path) -> None:
+    swarm = run_swarm(tmp_path, 4, [1], run__algorithm="noloco", run__outer_steps=8)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1])
+    blocked_id = swarm.peers[1].summary()["peer_id"]
+    s = swarm.peers[1].summary()
+    assert s["outer_step"] == 8 and s["rounds_partial"] == 0, s
+    paired = [r for r in s["rounds"] if r["note"].startswith("partner ")]
+    assert len(paired) >= 2, s["rounds"]  # it exchanges, over streams it opened
+    for p in swarm.peers:
+        assert p.summary()["rounds_partial"] == 0
+        for r in p.summary()["rounds"]:
+            assert blocked_id not in r["included"] or r["included"][0] == blocked_id or p.index == 1, r
