@@ -14,6 +14,8 @@ Every instance uses namespace names with the pid and a random suffix, and tears 
 exceptions, Ctrl-C and interpreter exit (``atexit``). Namespaces left behind by a process that was SIGKILLed can
 be removed with :func:`remove_stale_namespaces`.
 
+Link faults (cut links, partitions, hosts that cannot be dialed) are in :mod:`bench.netfaults`, on top of this.
+
 Choice of tbf parameters (see :func:`tbf_params`):
 
 * ``burst`` (bucket size) is 4 ms worth of tokens at the shaped rate, and at least 4 KiB (two full frames plus

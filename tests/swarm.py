@@ -60,6 +60,11 @@ def tiny_config(tmp_path: Path, name: str = "run.toml", **overrides: Any) -> Pat
     return path
 
 
+def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a peer process runs with: this repo's code first, unbuffered output for its log."""
+    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(extra or {}))
+
+
 class Peer:
     def __init__(self, index: int, data_dir: Path, proc: subprocess.Popen) -> None:
         self.index = index
@@ -139,6 +144,30 @@ class Swarm:
         self.extra_args = extra_args or []
         self.peers: list[Peer] = []
 
+    def start_command(
+        self,
+        index: int,
+        bootstrap: str | None,
+        *,
+        listen: str = "127.0.0.1:0",
+        config: Path | None = None,
+        wait_peers: int = 0,
+        extra: list[str] | None = None,
+    ) -> list[str]:
+        """The `peerd start` argv for peer `index` (its data dir is tmp_path/peer{index}); NetSwarm reuses it."""
+        cmd = [
+            sys.executable, "-m", "peerd", "start", "--config", str(config or self.config),
+            "--listen", listen, "--data-dir", str(self.tmp_path / f"peer{index}"), "--shard", str(index),
+            "--threads", "1", *([] if self.secure else ["--insecure"]), *self.extra_args, *(extra or []),
+        ]  # fmt: skip
+        if wait_peers > 1:
+            cmd += ["--wait-peers", str(wait_peers)]
+        if self.metrics:
+            cmd += ["--metrics", "127.0.0.1:0"]
+        if bootstrap:
+            cmd += ["--bootstrap", bootstrap]
+        return cmd
+
     def spawn(
         self,
         index: int,
@@ -151,28 +180,21 @@ class Swarm:
     ) -> Peer:
         data = self.tmp_path / f"peer{index}"
         data.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "peerd", "start", "--config", str(config or self.config),
-            "--listen", "127.0.0.1:0", "--data-dir", str(data), "--shard", str(index), "--threads", "1",
-            *([] if self.secure else ["--insecure"]), *self.extra_args, *(extra or []),
-        ]  # fmt: skip
-        if wait_peers > 1:
-            cmd += ["--wait-peers", str(wait_peers)]
-        if self.metrics:
-            cmd += ["--metrics", "127.0.0.1:0"]
-        if bootstrap:
-            cmd += ["--bootstrap", bootstrap]
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
+        cmd = self.start_command(index, bootstrap, config=config, wait_peers=wait_peers, extra=extra)
         with open(data / "log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env), cwd=REPO)
         peer = Peer(index, data, proc)
         return peer
+
+    def boot_address(self, index: int) -> str:
+        """The address other peers bootstrap from to reach peer `index`."""
+        return self.peers[index].address
 
     def start(self) -> Swarm:
         wait = self.n if self.wait_peers else 0
         first = self.spawn(0, None, wait_peers=wait)
         self.peers.append(first)
-        boot = first.address
+        boot = self.boot_address(0)
         for i in range(1, self.n):
             self.peers.append(self.spawn(i, boot, wait_peers=wait))
         for p in self.peers:
@@ -180,7 +202,7 @@ class Swarm:
         return self
 
     def add_peer(self, bootstrap_index: int = 0, **kw: Any) -> Peer:
-        peer = self.spawn(len(self.peers), self.peers[bootstrap_index].address, **kw)
+        peer = self.spawn(len(self.peers), self.boot_address(bootstrap_index), **kw)
         self.peers.append(peer)
         return peer
 

@@ -1,0 +1,193 @@
+"""Link faults on a slow-link net: cut a host off, split the hosts into groups, refuse inbound connections.
+
+Split-brain healing and peers behind NAT can only be tested against faults a real network makes, so
+:class:`FaultNet` is a :class:`~bench.slowlink.SlowLinkNet` whose links can also fail. Everything is done with
+iproute2 (``ip``, ``tc``) in the namespaces the net already owns, with no firewall tools, and without the two
+obvious features, which kernels such as this repository's test machines' lack: bridge VLAN filtering and tc's drop
+action (``act_gact``). So:
+
+* :meth:`FaultNet.cut` sets the hub-side end of the host's veth down. The host loses carrier: its frames and the
+  frames sent to it are dropped silently, so open TCP connections stall and retransmit instead of being reset, as
+  across a real outage. Addresses, routes (marked ``linkdown``) and tbf shaping stay configured, so
+  :meth:`FaultNet.restore` only has to bring the link up again.
+* :meth:`FaultNet.partition` moves each group's hub-side ports onto a bridge of its own (the first group stays on
+  the main bridge). Bridges are not joined, so a group talks within itself and to nobody else; again no RST.
+* :meth:`FaultNet.block_inbound` drops TCP SYNs (SYN set, ACK clear) as they arrive at the host: an ingress u32
+  filter redirects them (``mirred``) to a veth whose peer is down, which discards them. The host's own SYNs go
+  out and the SYN-ACKs come back, so it can dial out but cannot be dialed: a peer behind NAT.
+
+The faults are independent of each other and of the rate shaping (``set_rate``, ``set_down_rate``): a host can
+be shaped asymmetrically, behind "NAT" and in one group of a partition at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+from bench.slowlink import _BRIDGE, _HOST_IF, SlowLinkError, SlowLinkNet, _exec
+
+__all__ = ["FaultNet"]
+
+_SINK = "synsink"  # in a host namespace: the veth inbound SYNs are redirected to; its peer stays down
+_SINK_PEER = "synsink1"
+_CARRIER_WAIT = 5.0
+
+# IPv4 (IHL 5, no options: peerd's stacks send none) carrying TCP whose flags byte (offset 20 + 13) has SYN set and
+# ACK clear. A SYN with IP options would slip through; nothing on these nets sends one.
+_SYN_MATCH = ["match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
+              "match", "u8", "0x02", "0x12", "at", "33"]  # fmt: skip
+
+
+class FaultNet(SlowLinkNet):
+    """A SlowLinkNet whose hosts can be cut off, partitioned into groups and made undialable (see module doc)."""
+
+    def __init__(self, n_hosts: int, rate_mbit: float | list[float], **kw: object) -> None:
+        super().__init__(n_hosts, rate_mbit, **kw)  # type: ignore[arg-type]
+        self._cut: set[int] = set()
+        self._blocked: set[int] = set()
+        self._bridge_of: list[str | None] = [_BRIDGE] * n_hosts  # None: on no bridge (alone)
+        self._extra_bridges: list[str] = []
+
+    def _port(self, i: int) -> str:
+        return f"p{self._host(i)}"
+
+    def _hub_ip(self, *args: str) -> None:
+        _exec([self._ip, "-n", self._hub, *args])
+
+    # ----------------------------------------------------------------- cut
+    def cut(self, i: int) -> None:
+        """Take host ``i``'s link down: nothing gets in or out, and open connections stall (no RST)."""
+        self._require_up()
+        self._hub_ip("link", "set", self._port(i), "down")
+        self._cut.add(i)
+
+    def restore(self, i: int) -> None:
+        """Bring host ``i``'s link back up and return once the host sees carrier again, so traffic flows.
+
+        The host's connected route is re-asserted too: the kernel keeps it through a loss of carrier, so this is
+        normally a no-op, but a route gone missing would otherwise leave the host silently unreachable.
+        """
+        self._require_up()
+        self._hub_ip("link", "set", self._port(i), "up")
+        ns = self.netns(i)
+        deadline = time.monotonic() + _CARRIER_WAIT
+        while "LOWER_UP" not in self._flags(ns, _HOST_IF):
+            if time.monotonic() > deadline:
+                raise SlowLinkError(f"host {i}'s link has no carrier {_CARRIER_WAIT:g} s after restore")
+            time.sleep(0.01)
+        _exec([self._ip, "-n", ns, "route", "replace", str(self._network), "dev", _HOST_IF, "proto", "kernel",
+               "scope", "link", "src", self.address(i)])  # fmt: skip
+        self._cut.discard(i)
+
+    def is_cut(self, i: int) -> bool:
+        return self._host(i) in self._cut
+
+    def _flags(self, ns: str, dev: str) -> list[str]:
+        done = _exec([self._ip, "-n", ns, "-j", "link", "show", "dev", dev])
+        try:
+            return list(json.loads(done.stdout)[0]["flags"])
+        except (ValueError, LookupError, TypeError) as exc:
+            raise SlowLinkError(f"unexpected `ip -j link` output for {dev} in {ns}: {exc}") from exc
+
+    # ----------------------------------------------------------- partition
+    def partition(self, groups: Sequence[Sequence[int]]) -> None:
+        """Split the hosts into ``groups`` that reach only each other; a host in no group reaches nobody.
+
+        Replaces any earlier partition. Hosts keep their addresses, so healing later needs no reconfiguration.
+        """
+        self._require_up()
+        target: list[str | None] = [None] * self._n
+        seen: set[int] = set()
+        if isinstance(groups, (str, bytes)) or not all(isinstance(g, (list, tuple)) and g for g in groups):
+            raise ValueError("groups must be a list of non-empty lists of host indices")
+        for g, group in enumerate(groups):
+            for i in group:
+                if self._host(i) in seen:
+                    raise ValueError(f"host {i} is in more than one group")
+                seen.add(i)
+                target[i] = _BRIDGE if g == 0 else self._bridge(g)
+        self._move(target)
+
+    def heal(self) -> None:
+        """Undo :meth:`partition`: every host is on the main bridge again (cut hosts stay cut until restored)."""
+        self._require_up()
+        self._move([_BRIDGE] * self._n)
+        for bridge in self._extra_bridges:
+            self._hub_ip("link", "del", bridge)
+        self._extra_bridges.clear()
+
+    def groups(self) -> list[list[int]]:
+        """The current groups, main bridge's first (hosts on no bridge are left out); one group when whole."""
+        bridges = [_BRIDGE, *self._extra_bridges]
+        found = [[i for i, b in enumerate(self._bridge_of) if b == bridge] for bridge in bridges]
+        return [g for g in found if g]
+
+    def _bridge(self, g: int) -> str:
+        """The hub bridge of group ``g`` > 0, made on first use with the main bridge's settings."""
+        name = f"part{g}"
+        if name not in self._extra_bridges:
+            self._hub_ip("link", "add", name, "type", "bridge", "stp_state", "0", "mcast_snooping", "0")
+            self._hub_ip("link", "set", name, "up")
+            self._extra_bridges.append(name)
+        return name
+
+    def _move(self, target: list[str | None]) -> None:
+        # Without STP a port forwards as soon as it is enslaved, so a move takes effect at once.
+        for i, bridge in enumerate(target):
+            if bridge == self._bridge_of[i]:
+                continue
+            if bridge is None:
+                self._hub_ip("link", "set", self._port(i), "nomaster")
+            else:
+                self._hub_ip("link", "set", self._port(i), "master", bridge)
+            self._bridge_of[i] = bridge
+
+    # ------------------------------------------------------------- inbound
+    def block_inbound(self, i: int) -> None:
+        """Drop TCP connection attempts arriving at host ``i``; it can still dial out (a peer behind NAT).
+
+        Only SYNs without ACK are dropped, so connections that are already open keep working, as a NAT keeps
+        the mappings it has.
+        """
+        self._require_up()
+        if self._host(i) in self._blocked:
+            return
+        ns = self.netns(i)
+        if not _exec([self._ip, "-n", ns, "link", "show", "dev", _SINK], check=False).stdout:
+            _exec([self._ip, "-n", ns, "link", "add", _SINK, "type", "veth", "peer", "name", _SINK_PEER])
+            _exec([self._ip, "-n", ns, "link", "set", _SINK, "up"])  # its peer stays down: what it sends is dropped
+        _exec([self._tc, "-n", ns, "qdisc", "add", "dev", _HOST_IF, "handle", "ffff:", "ingress"])
+        try:
+            _exec([self._tc, "-n", ns, "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol", "ip",
+                   "prio", "1", "u32", *_SYN_MATCH, "action", "mirred", "egress", "redirect", "dev",
+                   _SINK])  # fmt: skip
+        except SlowLinkError:  # no u32 or mirred in this kernel: leave no half-made block behind
+            _exec([self._tc, "-n", ns, "qdisc", "del", "dev", _HOST_IF, "ingress"], check=False)
+            raise
+        self._blocked.add(i)
+
+    def unblock_inbound(self, i: int) -> None:
+        """Let host ``i`` be dialed again."""
+        self._require_up()
+        if self._host(i) not in self._blocked:
+            return
+        _exec([self._tc, "-n", self.netns(i), "qdisc", "del", "dev", _HOST_IF, "ingress"])
+        self._blocked.discard(i)
+
+    def is_blocked(self, i: int) -> bool:
+        return self._host(i) in self._blocked
+
+    def syns_dropped(self, i: int) -> int:
+        """How many inbound SYNs host ``i``'s block has dropped (so a test can check it was exercised)."""
+        self._require_up()
+        if self._host(i) not in self._blocked:
+            return 0
+        done = _exec([self._tc, "-n", self.netns(i), "-s", "-j", "filter", "show", "dev", _HOST_IF, "parent", "ffff:"])
+        try:
+            entries = json.loads(done.stdout)
+            actions = [a for e in entries for a in e.get("options", {}).get("actions", [])]
+            return sum(int(a["stats"]["packets"]) for a in actions if a.get("kind") == "mirred")
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise SlowLinkError(f"unexpected `tc -j filter` output on host {i}: {exc}") from exc
