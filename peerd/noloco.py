@@ -122,6 +122,7 @@ def pair_session(daemon: Daemon, numel: int) -> Pairing:
         me=lambda: daemon.me,
         on_rejected=daemon.count_rejected,
         on_unreachable=daemon.membership.mark_unreachable,
+        yield_s=lambda: daemon.reach.yield_to_outbound(settings.match_timeout),
     )
 
 

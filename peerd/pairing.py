@@ -274,6 +274,7 @@ class Pairing:
         me: Callable[[], pb.PeerInfo],
         on_rejected: Callable[[str], None] | None = None,
         on_unreachable: Callable[[str], None] | None = None,
+        yield_s: Callable[[], float] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         if numel < 1:
@@ -292,6 +293,9 @@ class Pairing:
         self.me = me
         self.on_rejected = on_rejected or (lambda reason: None)
         self.on_unreachable = on_unreachable or (lambda peer_id: None)  # we could not connect: leave it out a while
+        # How long to wait at our boundary for a proposal before proposing ourselves: outbound-only peers can only
+        # propose (nobody dials them), so reachable peers leave them the first move (peerd/reachability.py).
+        self.yield_s = yield_s or (lambda: 0.0)
         self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
         self.max_wire = codec.max_encoded_size(numel)
         self._session: _Session | None = None  # the group we are in now, if any
@@ -545,6 +549,9 @@ class Pairing:
                     sess = None
                 if sess is None and not self.settings.send_ahead:
                     t_match = time.monotonic()
+                    wait_until = min(t_match + self.yield_s(), match_deadline)
+                    while self._session is None and time.monotonic() < wait_until and not self._closing:
+                        await asyncio.sleep(0.02)
                     sess = await self._find_group(step, match_deadline, 0.0)
                     match_s += time.monotonic() - t_match
                 if sess is None:

@@ -44,6 +44,7 @@ ECHO_TAG = b"peerd-probe-echo\x00"
 NONCE_BYTES = 16
 RECHECK_S = 30.0  # at most one new check per this many seconds
 MAX_CONCURRENT_PROBES = 4
+YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
 
 
@@ -201,6 +202,15 @@ class Reachability:
         elif out:
             self._alone_warned = False
         return out
+
+    def yield_to_outbound(self, match_timeout: float) -> float:
+        """NoLoCo: seconds a reachable peer waits at its boundary for a proposal before proposing itself, while
+        outbound-only peers are live (they can only propose, so they would find every reachable peer taken)."""
+        if self.d.me.outbound_only:
+            return 0.0
+        if not any(p.outbound_only for p in self.d.membership.alive(include_self=False)):
+            return 0.0
+        return min(YIELD_FRACTION * match_timeout, YIELD_MAX_S)
 
     # -- dialling others back ------------------------------------------------------------------------------------
     def echo(self, request: pb.ProbeEchoRequest) -> bytes | None:

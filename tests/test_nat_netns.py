@@ -58,6 +58,7 @@ def test_outbound_only_peers_in_namespaces(tmp_path: Path, algorithm: str, block
         if algorithm != "noloco":
             assert all(set(r["included"]) == ids for r in s["rounds"]), s["rounds"]
         else:
-            assert any(r["note"].startswith("partner ") for r in s["rounds"]), s["rounds"]
+            paired = [r for r in s["rounds"] if r["note"].startswith("partner ")]
+            assert len(paired) >= len(s["rounds"]) // 2, s["rounds"]  # reachable peers leave them the first move
     if algorithm != "noloco":
         assert_identical_globals([p.data_dir for p in swarm.peers])
