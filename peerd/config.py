@@ -139,6 +139,9 @@ class NetworkSection:
     round_timeout: float = 120.0  # how long an exchange may take before the round fails
     match_timeout: float = 10.0  # NoLoCo: how long a peer looks for a partner before stepping alone
     chunk_bytes: int = 1 << 20
+    relay: bool = True  # when reachable, carry NoLoCo calls for outbound-only peers (peerd/relay.py)
+    relay_max_peers: int = 16  # outbound-only peers that may attach at once
+    relay_peer_mbit: float = 100.0  # relayed traffic per attached peer, both directions (burst: 64 MiB)
 
 
 @dataclass
@@ -223,6 +226,8 @@ class RunConfig:
         self._validate_security()
         if not 0 < self.network.chunk_bytes <= 1 << 20:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+        if self.network.relay_max_peers < 0 or not self.network.relay_peer_mbit > 0:
+            raise ConfigError("network.relay_max_peers must be >= 0 and network.relay_peer_mbit > 0")
 
     def _validate_security(self) -> None:
         adm, rob, sec = self.admission, self.robust, self.security
@@ -369,6 +374,9 @@ rendezvous_timeout = 30.0
 round_timeout = 120.0
 match_timeout = 10.0
 chunk_bytes = 1048576
+relay = true              # when reachable, relay NoLoCo exchanges for peers behind NAT (README: Behind NAT)
+relay_max_peers = 16      # outbound-only peers that may attach at once
+relay_peer_mbit = 100.0   # relayed traffic allowed per attached peer
 
 [checkpoint]
 every = 1

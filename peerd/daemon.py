@@ -40,6 +40,7 @@ from peerd.identity import Identity, peer_id_of
 from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
 from peerd.reachability import Reachability, dialable
+from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
@@ -161,6 +162,7 @@ class Daemon:
         self.leader: RendezvousLeader | None = None
         self.pairing: Any = None  # set by the NoLoCo algorithm
         self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
+        self.relay_server, self.relay_client = RelayServer(self), RelayClient(self)  # peerd/relay.py
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, join_timeout: float = 60.0) -> None:
@@ -202,9 +204,10 @@ class Daemon:
         rpc.add_MembershipServicer_to_server(MembershipService(self), server)
         rpc.add_RoundsServicer_to_server(RoundsService(self), server)
         rpc.add_StateServicer_to_server(StateService(self), server)
+        rpc.add_RelayServicer_to_server(self.relay_server, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State")]
+        names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State", "Relay")]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         if self.tls is not None:
             port = server.add_secure_port(self.listen, self.tls.server_credentials())
@@ -258,6 +261,7 @@ class Daemon:
 
     async def _start_background(self) -> None:
         self._tasks.append(asyncio.ensure_future(self._gossip_loop()))
+        self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
 
     def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> None:
         """Block until `n` peers (us included) are settled members, so the first round has one leader for all."""
@@ -803,6 +807,7 @@ class Daemon:
             banned=self.bans.banned(),
             rejected_contributions=s.rejected_contributions,
             reachability=self.reach.line(),
+            relayed_bytes=self.relay_server.relayed_bytes,
         )
         if redact:
             msg.redacted = True

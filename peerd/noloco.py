@@ -42,6 +42,7 @@ import torch
 from peerd.algorithm import OuterAlgorithm
 from peerd.allreduce import RoundResult
 from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
+from peerd.relay import RelayTransport, pair_targets
 from peerd.v1 import peerd_pb2 as pb
 from trainer.outer import noloco_step
 
@@ -115,9 +116,9 @@ def pair_session(daemon: Daemon, numel: int) -> Pairing:
         executor=daemon.executor,
         numel=numel,
         settings=settings,
-        transport=GrpcTransport(lambda: daemon.channels),
-        # Proposers dial their targets: outbound-only peers are never proposed to; they propose themselves.
-        candidates=lambda: daemon.reach.dial_targets(daemon.membership.alive(include_self=False)),
+        transport=RelayTransport(daemon, GrpcTransport(lambda: daemon.channels)),
+        # Proposers dial their targets: an outbound-only peer is proposed to only through its relay (peerd/relay.py)
+        candidates=lambda: pair_targets(daemon, daemon.membership.alive(include_self=False)),
         lookup=daemon.membership.get,
         me=lambda: daemon.me,
         on_rejected=daemon.count_rejected,

@@ -156,6 +156,7 @@ class Reachability:
             log.warning(self.line())
         elif changed:
             log.info(self.line())
+        d.me.relays = state == REACHABLE and d.cfg.network.relay  # offer to relay only once others reached us
         if changed and d.me.outbound_only != (state == OUTBOUND_ONLY):
             d.me.outbound_only = state == OUTBOUND_ONLY
             d.me.heartbeat += 1  # so gossip carries the new flag
@@ -205,10 +206,11 @@ class Reachability:
 
     def yield_to_outbound(self, match_timeout: float) -> float:
         """NoLoCo: seconds a reachable peer waits at its boundary for a proposal before proposing itself, while
-        outbound-only peers are live (they can only propose, so they would find every reachable peer taken)."""
+        outbound-only peers without a relay are live (they can only propose, so they would find every reachable
+        peer taken)."""
         if self.d.me.outbound_only:
             return 0.0
-        if not any(p.outbound_only for p in self.d.membership.alive(include_self=False)):
+        if not any(p.outbound_only and not p.relay for p in self.d.membership.alive(include_self=False)):
             return 0.0
         return min(YIELD_FRACTION * match_timeout, YIELD_MAX_S)
 

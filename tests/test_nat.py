@@ -16,6 +16,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
+from peerd.config import RunConfig
 from peerd.demo import global_params
 from peerd.identity import Identity, verify
 from peerd.reachability import (
@@ -72,6 +73,7 @@ class _FakeDaemon:
         self.run_id = b"r" * 32
         self.me = pb.PeerInfo(peer_id=self.identity.peer_id, address="0.0.0.0:7000", heartbeat=5)
         self.metrics = None
+        self.cfg = RunConfig()
 
 
 def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
@@ -87,6 +89,7 @@ def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
     assert r.line().startswith(OUTBOUND_LINE) and "forward port 7000" in r.line() and "--announce" in r.line()
     r._set(REACHABLE, "1.2.3.4:7000")
     assert not d.me.outbound_only and d.me.heartbeat == 7 and r.line() == "reachable at 1.2.3.4:7000"
+    assert d.me.relays  # a reachable peer offers to relay ([network] relay defaults to true)
 
 
 # -- swarms on loopback ---------------------------------------------------------------------------------------------
@@ -189,3 +192,24 @@ def test_noloco_outbound_only_peer_proposes_and_is_never_dialled(tmp_path: Path)
         assert p.summary()["rounds_partial"] == 0
         for r in p.summary()["rounds"]:
             assert blocked_id not in r["included"] or r["included"][0] == blocked_id or p.index == 1, r
+
+
+@pytest.mark.slow
+def test_noloco_relay_lets_outbound_only_peers_pair_with_anyone(tmp_path: Path) -> None:
+    swarm = run_swarm(tmp_path, 4, [1, 2], run__algorithm="noloco", run__outer_steps=10)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1, 2])
+    sums = [p.summary() for p in swarm.peers]
+    blocked = {sums[1]["peer_id"], sums[2]["peer_id"]}
+    for s in sums:
+        assert s["outer_step"] == 10 and s["rounds_partial"] == 0, s
+    assert sum(s["relayed_bytes"] for s in sums) > 0
+    relays = [swarm.peers[i].log() for i in (0, 3)]
+    assert any("relaying for outbound-only peer" in log for log in relays)
+    # paired through the relay: a reachable peer, or the other outbound-only peer, named an outbound-only one
+    # as its partner although nobody can dial it
+    proposed_to = [r for s in sums for r in s["rounds"] if len(r["included"]) == 2 and r["included"][1] in blocked]
+    assert proposed_to, [s["rounds"] for s in sums]

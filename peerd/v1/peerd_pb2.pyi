@@ -23,7 +23,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "outbound_only", "relay")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "outbound_only", "relay", "relays")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class PeerInfo(_message.Message):
     TLS_CERT_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -50,7 +51,8 @@ class PeerInfo(_message.Message):
     tls_cert: bytes
     outbound_only: bool
     relay: str
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    relays: bool
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -393,3 +395,21 @@ class StateMessage(_message.Message):
     chunk: bytes
     trailer: TensorTrailer
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("auth", "target", "method", "call", "payload", "end", "error")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    target: str
+    method: str
+    call: int
+    payload: bytes
+    end: bool
+    error: str
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., target: _Optional[str] = ..., method: _Optional[str] = ..., call: _Optional[int] = ..., payload: _Optional[bytes] = ..., end: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
