@@ -134,12 +134,10 @@ class ReduceRound:
         self.n = len(self.ids)
         # Shard owners: the members others can dial. Every member opens a stream to every other owner, so an
         # outbound-only member sends and receives everything on connections it opened itself.
-        self.owners = [i for i, m in enumerate(group.members) if not m.outbound_only]
-        if not self.owners:
-            raise RoundFailed("no reachable peer in the group: nobody can own a shard", set(), "no_reachable")
+        self.owners = [i for i, m in enumerate(group.members) if not m.outbound_only]  # none: run() refuses
         self.me = self.owners.index(self.member) if self.member in self.owners else -1  # our shard, -1: none
         self.n_shards = len(self.owners)
-        self.bounds = shard_bounds(vector.numel(), self.n_shards)
+        self.bounds = shard_bounds(vector.numel(), self.n_shards) if self.owners else []
         self.deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
         self.contrib: list[torch.Tensor | None] = [None] * self.n
@@ -264,6 +262,9 @@ class ReduceRound:
 
     # -- member side ------------------------------------------------------------------------------------------
     async def run(self, stub_for: StubFor, verifier: Verifier) -> RoundResult:
+        if not self.owners:  # a failed round like any other, so the caller retries with a new group
+            self._deadline_handle.cancel()
+            raise RoundFailed("no reachable peer in the group: nobody can own a shard", set(), "no_reachable")
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:

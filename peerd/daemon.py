@@ -533,6 +533,8 @@ class Daemon:
                 # outbound-only peers never lead: nobody could dial them
                 candidates = [p for p in self.membership.settled() if p.peer_id not in tried and dialable(p)]
                 if not candidates and self.me.outbound_only:
+                    if await self.reach.wait_for_dialable(self.cfg.network.rendezvous_timeout):
+                        continue
                     raise RoundFailed("no reachable peer to lead the round: this peer cannot be dialled either")
                 target = candidates[0] if candidates else self.me
             if target.peer_id == self.identity.peer_id:
@@ -656,8 +658,9 @@ class Daemon:
             self.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
             for m in group.members:  # they all finished `step` with us: do not wait for gossip to say so
                 info = self.membership.get(m.peer_id)
-                if info is not None and fragment < 0:
-                    info.outer_step = max(info.outer_step, step + 1)
+                if info is not None and fragment < 0 and info.outer_step <= step and info is not self.me:
+                    # its digest for step + 1 is not known yet: a stale one would count as a different state
+                    info.outer_step, info.state_digest = step + 1, b""
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
@@ -749,6 +752,8 @@ class Daemon:
         errors: list[str] = []
         while time.monotonic() < deadline:
             live = [p for p in self.membership.alive(include_self=False) if p.outer_step >= min_step and dialable(p)]
+            if self.me.outbound_only and not await self.reach.wait_for_dialable(deadline - time.monotonic()):
+                break  # nobody we could download from
             # Prefer the (step, digest) the most peers agree on, then the newest: one hostile peer gossiping a far
             # step cannot make joiners download its state while honest peers agree on theirs.
             votes: dict[tuple[int, bytes], int] = {}

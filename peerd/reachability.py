@@ -214,6 +214,16 @@ class Reachability:
             return 0.0
         return min(YIELD_FRACTION * match_timeout, YIELD_MAX_S)
 
+    async def wait_for_dialable(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a live peer we can dial (an outbound-only peer alone with others like it has
+        nobody to lead its rounds or serve its state): True as soon as there is one."""
+        deadline = time.monotonic() + timeout
+        while not self.dial_targets(self.d.membership.alive(include_self=False)):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
     # -- dialling others back ------------------------------------------------------------------------------------
     def echo(self, request: pb.ProbeEchoRequest) -> bytes | None:
         """Our signature for a ProbeEcho of one of our probes in flight; None for any other nonce."""
