@@ -1,9 +1,10 @@
 """Reachability: can the other peers dial this one, or does it sit behind a NAT or firewall that only lets it dial out?
 
 A joiner asks the peer it joins through to dial it back (`Membership.Probe`, signed) at the address it announces,
-before it sends its Join. The prober opens a fresh connection to that address (pinned to the joiner's TLS
-certificate) and calls `Membership.ProbeEcho` with a nonce the joiner chose; the joiner answers only for a nonce it
-has in flight, with its Ed25519 signature over it, so the prober knows it reached the joiner and not someone else.
+as it sends its Join. The prober opens a fresh connection to that address (pinned to the joiner's TLS certificate)
+and calls `Membership.ProbeEcho` with a nonce the joiner chose; the joiner answers only for a nonce it has in
+flight, with its Ed25519 signature over it, so the prober knows it reached the joiner and not someone else. Until
+the verdict, the joiner counts as outbound-only (the safe side: a reachable peer merely owns no shard for a moment).
 The verdict is one line at start, in `peerd status`, in the `peerd_reachable` metric, and in the `outbound_only`
 flag of our gossiped PeerInfo: no peer ever dials an outbound-only peer (`dialable`). Old entries and peers not yet
 checked have the flag false, which keeps the old behaviour (everyone is dialled).
@@ -116,13 +117,25 @@ class Reachability:
                 "not reachable from outside: taking part as an outbound-only peer; to serve others, "
                 f"forward port {port} to this machine or pass --announce"
             )
+        if self.d.me.outbound_only:
+            return "reachability being checked (a peer is dialling us back)"
         return "reachability not checked yet (no peer has dialled us back)"
 
     async def before_join(self, address: str) -> None:
-        """Called with the bootstrap address just before our Join: ask that peer to dial us back first, so our
-        entry carries the verdict from the moment anyone hears of us."""
-        if self.state == UNKNOWN:
-            await self.check(address)
+        """Called with the bootstrap address just before our Join: ask that peer to dial us back, and join as
+        outbound-only meanwhile, so that nobody dials us (or picks us to lead) before a dial-back succeeded. The
+        check runs beside the Join: a dropped SYN costs PROBE_DIAL_S, which must not delay the start."""
+        if self.state != UNKNOWN or (self._task is not None and not self._task.done()):
+            return
+        self.d.me.outbound_only = True  # provisional
+        self._last_check = time.monotonic()
+        self._task = asyncio.ensure_future(self._first_check(address))
+
+    async def _first_check(self, address: str) -> None:
+        await self.check(address)
+        if self.state == UNKNOWN and self.d.me.outbound_only:  # no verdict: dialled as before the probe existed
+            self.d.me.outbound_only = False
+            self.d.me.heartbeat += 1
 
     async def check(self, address: str, peer: pb.PeerInfo | None = None) -> None:
         """Ask the peer at `address` to dial us back; set our flag from its answer."""
@@ -152,13 +165,14 @@ class Reachability:
         d = self.d
         changed = state != self.state
         self.state, self.address = state, address
+        flag = state == OUTBOUND_ONLY
         if state == OUTBOUND_ONLY:
             log.warning(self.line())
         elif changed:
             log.info(self.line())
         d.me.relays = state == REACHABLE and d.cfg.network.relay  # offer to relay only once others reached us
-        if changed and d.me.outbound_only != (state == OUTBOUND_ONLY):
-            d.me.outbound_only = state == OUTBOUND_ONLY
+        if d.me.outbound_only != flag:
+            d.me.outbound_only = flag
             d.me.heartbeat += 1  # so gossip carries the new flag
         if d.metrics is not None:
             d.metrics.reachable.set(0 if state == OUTBOUND_ONLY else 1)

@@ -8,15 +8,14 @@ that nobody dialled it. Namespace tests with real dropped SYNs are in tests/test
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
+from bench.nat import write_keys
 from peerd.config import RunConfig
 from peerd.demo import global_params
 from peerd.identity import Identity, verify
@@ -94,21 +93,8 @@ def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
 
 
 # -- swarms on loopback ---------------------------------------------------------------------------------------------
-def keys_with_lowest_at(tmp_path: Path, n: int, lowest: list[int]) -> None:
-    """Identity keys for peer0..peer{n-1}; the peers in `lowest` get the lowest ids (so they would be the round
-    leaders, and the first shard owners, were they not outbound-only)."""
-    keys = sorted((Identity.generate() for _ in range(n)), key=lambda ident: ident.peer_id)
-    order = lowest + [i for i in range(n) if i not in lowest]
-    for i, ident in zip(order, keys, strict=True):
-        (tmp_path / f"peer{i}").mkdir(parents=True, exist_ok=True)
-        raw = ident.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-        fd = os.open(tmp_path / f"peer{i}" / "identity.key", os.O_WRONLY | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
-
-
 def run_swarm(tmp_path: Path, n: int, blocked: list[int], **cfg: Any) -> Swarm:
-    keys_with_lowest_at(tmp_path, n, blocked)
+    write_keys(tmp_path, n, blocked)
     swarm = Swarm(tmp_path, n, tiny_config(tmp_path, **cfg))
     wait = n
     first = swarm.spawn(0, None, wait_peers=wait)

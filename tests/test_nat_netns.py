@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from bench.nat import write_keys
 from bench.netfaults import FaultNet
 from tests.netswarm import NetSwarm
 from tests.swarm import tiny_config
-from tests.test_nat import OUTBOUND_LINE, assert_identical_globals, keys_with_lowest_at
+from tests.test_nat import OUTBOUND_LINE, assert_identical_globals
 from tests.test_slowlink import needs_netns
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def run_blocked(tmp_path: Path, algorithm: str, blocked: list[int], n: int = 4) -> NetSwarm:
     """A swarm of `n` peers in namespaces whose hosts in `blocked` cannot be dialled; those get the lowest ids, so
     without the outbound-only rules they would lead every round. Returns the finished swarm."""
-    keys_with_lowest_at(tmp_path, n, blocked)
+    write_keys(tmp_path, n, blocked)
     with FaultNet(n, 1000.0) as net:
         for i in blocked:
             net.block_inbound(i)
