@@ -1,10 +1,9 @@
 """Reachability: can the other peers dial this one, or does it sit behind a NAT or firewall that only lets it dial out?
 
 A joiner asks the peer it joins through to dial it back (`Membership.Probe`, signed) at the address it announces,
-as it sends its Join. The prober opens a fresh connection to that address (pinned to the joiner's TLS certificate)
+before it sends its Join. The prober opens a fresh connection to that address (pinned to the joiner's TLS certificate)
 and calls `Membership.ProbeEcho` with a nonce the joiner chose; the joiner answers only for a nonce it has in
-flight, with its Ed25519 signature over it, so the prober knows it reached the joiner and not someone else. Until
-the verdict, the joiner counts as outbound-only (the safe side: a reachable peer merely owns no shard for a moment).
+flight, with its Ed25519 signature over it, so the prober knows it reached the joiner and not someone else.
 The verdict is one line at start, in `peerd status`, in the `peerd_reachable` metric, and in the `outbound_only`
 flag of our gossiped PeerInfo: no peer ever dials an outbound-only peer (`dialable`). Old entries and peers not yet
 checked have the flag false, which keeps the old behaviour (everyone is dialled).
@@ -40,10 +39,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peerd")
 
-PROBE_DIAL_S = 3.0  # a dial-back whose SYN is dropped fails at this deadline
+PROBE_DIAL_S = 2.5  # a dial-back whose SYN is dropped fails at this deadline (one lost SYN is retried at 1 s)
 ECHO_TAG = b"peerd-probe-echo\x00"
 NONCE_BYTES = 16
 RECHECK_S = 30.0  # at most one new check per this many seconds
+RECHECK_OUTBOUND_S = 300.0  # outbound-only peers ask again this often (a lost SYN, or a port forwarded since)
 MAX_CONCURRENT_PROBES = 4
 YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
@@ -117,25 +117,14 @@ class Reachability:
                 "not reachable from outside: taking part as an outbound-only peer; to serve others, "
                 f"forward port {port} to this machine or pass --announce"
             )
-        if self.d.me.outbound_only:
-            return "reachability being checked (a peer is dialling us back)"
         return "reachability not checked yet (no peer has dialled us back)"
 
     async def before_join(self, address: str) -> None:
-        """Called with the bootstrap address just before our Join: ask that peer to dial us back, and join as
-        outbound-only meanwhile, so that nobody dials us (or picks us to lead) before a dial-back succeeded. The
-        check runs beside the Join: a dropped SYN costs PROBE_DIAL_S, which must not delay the start."""
-        if self.state != UNKNOWN or (self._task is not None and not self._task.done()):
-            return
-        self.d.me.outbound_only = True  # provisional
-        self._last_check = time.monotonic()
-        self._task = asyncio.ensure_future(self._first_check(address))
-
-    async def _first_check(self, address: str) -> None:
-        await self.check(address)
-        if self.state == UNKNOWN and self.d.me.outbound_only:  # no verdict: dialled as before the probe existed
-            self.d.me.outbound_only = False
-            self.d.me.heartbeat += 1
+        """Called with the bootstrap address just before our Join: ask that peer to dial us back first, so our
+        entry carries the verdict from the moment anyone hears of us. (Joining first as provisionally outbound-only
+        and flipping the flag a moment later made peers disagree on who may lead the next round.)"""
+        if self.state == UNKNOWN:
+            await self.check(address)
 
     async def check(self, address: str, peer: pb.PeerInfo | None = None) -> None:
         """Ask the peer at `address` to dial us back; set our flag from its answer."""
@@ -190,8 +179,11 @@ class Reachability:
             self._spawn(peer)
 
     def tick(self, alive: Iterable[pb.PeerInfo]) -> None:
-        """Once per gossip interval: without a verdict, ask a random reachable peer to dial us back."""
-        if self.state != UNKNOWN:
+        """Once per gossip interval: without a verdict, or every RECHECK_OUTBOUND_S while outbound-only, ask a
+        random reachable peer to dial us back."""
+        if self.state == REACHABLE:
+            return
+        if self.state == OUTBOUND_ONLY and time.monotonic() - self._last_check < RECHECK_OUTBOUND_S:
             return
         peers = [p for p in alive if dialable(p)]
         if peers:
