@@ -92,6 +92,63 @@ def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
     assert d.me.relays  # a reachable peer offers to relay ([network] relay defaults to true)
 
 
+def test_a_changed_observed_address_triggers_a_new_check() -> None:
+    import asyncio
+
+    r = Reachability(_FakeDaemon())  # type: ignore[arg-type]
+    asked: list[str] = []
+
+    async def check(address: str, peer: Any = None) -> None:
+        asked.append(address)
+
+    r.check = check  # type: ignore[method-assign]
+    r._last_check = -1e9
+    peer = pb.PeerInfo(peer_id="p" * 32, address="10.0.0.9:7000")
+
+    async def scenario() -> None:
+        r.observe(peer, "198.51.100.1")
+        r.observe(peer, "198.51.100.1")
+        await asyncio.sleep(0)
+        assert asked == []  # first sighting, then the same: nothing to check
+        r.observe(peer, "198.51.100.2")
+        await asyncio.sleep(0)
+        assert asked == ["10.0.0.9:7000"]
+        r.observe(peer, "198.51.100.3")  # within RECHECK_S of the last check: rate-limited
+        await asyncio.sleep(0)
+        assert asked == ["10.0.0.9:7000"]
+
+    asyncio.run(scenario())
+
+
+def test_relay_counts_bytes_and_refuses_over_the_per_peer_limit() -> None:
+    from peerd.limits import LimitExceeded
+    from peerd.relay import BURST_BYTES, RelayServer, _Attached
+
+    srv = RelayServer(_FakeDaemon())  # type: ignore[arg-type]
+    att = _Attached("a" * 32, rate_bytes=0.0)  # no refill: only the burst
+    srv._count(att, BURST_BYTES - 10)
+    with pytest.raises(LimitExceeded):
+        srv._count(att, 11)
+    assert srv.relayed_bytes == BURST_BYTES - 10
+    other = _Attached("b" * 32, rate_bytes=0.0)  # the limit is per attached peer
+    srv._count(other, 11)
+
+
+def test_status_shows_reachability_and_outbound_only_peers() -> None:
+    from peerd.status import format_status
+
+    st = pb.StatusResponse(
+        peer_id="a" * 32,
+        reachability="not reachable from outside: taking part as an outbound-only peer; ...",
+        relayed_bytes=3_000_000,
+        peers=[pb.PeerInfo(peer_id="b" * 32, address="10.0.0.2:7000", outbound_only=True)],
+        alive=["b" * 32],
+    )
+    text = format_status(st)
+    assert "reach      not reachable from outside" in text and "relayed 3.00 MB" in text
+    assert "alive, outbound-only" in text
+
+
 # -- swarms on loopback ---------------------------------------------------------------------------------------------
 def run_swarm(tmp_path: Path, n: int, blocked: list[int], **cfg: Any) -> Swarm:
     write_keys(tmp_path, n, blocked)
