@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from peerd.allreduce import RoundFailed as RoundFailedError
+from peerd.codecs import CodecError
 from peerd.envelope import AuthError, sign
 from peerd.limits import LimitExceeded, TokenBucket, paced
 from peerd.reachability import dialable
@@ -242,8 +243,13 @@ class RelayClient:
             relays = [p for p in self.d.membership.alive(include_self=False) if p.relays and dialable(p)]
             if not relays:
                 continue
-            with contextlib.suppress(grpc.aio.AioRpcError, ConnectionError):
-                await self._attach(min(relays, key=lambda p: p.peer_id))
+            # rendezvous hashing: outbound-only peers spread over the relays, and each keeps its relay while it lives
+            me = self.d.identity.peer_id
+            relay = min(relays, key=lambda p: hashlib.sha256(f"{me}/{p.peer_id}".encode()).digest())
+            try:
+                await self._attach(relay)
+            except Exception as exc:  # the relay went away or refused us: try again (maybe another) shortly
+                log.info("relay stream to %s ended: %s", relay.peer_id[:8], str(exc)[:200])
 
     def _set_relay(self, peer_id: str) -> None:
         if self.d.me.relay != peer_id:
@@ -304,10 +310,10 @@ class RelayClient:
             async for msg in d.serve_exchange(messages):
                 await outbox.put(pb.RelayFrame(call=call, payload=msg.SerializeToString()))
             await outbox.put(pb.RelayFrame(call=call, end=True))
-        except (AuthError, LimitExceeded, StreamError, DecodeError) as exc:  # one line back to the caller
+        except (AuthError, LimitExceeded, StreamError, CodecError, DecodeError) as exc:  # one line to the caller
             d.count_rejected(getattr(exc, "reason", "malformed"))
             await outbox.put(pb.RelayFrame(call=call, error=f"{method} refused: {str(exc)[:200]}"))
-        except (RoundFailedError, grpc.aio.AioRpcError) as exc:
+        except Exception as exc:  # RoundFailed, a broken stream: the caller hears why, we go on serving
             await outbox.put(pb.RelayFrame(call=call, error=f"{method} failed: {str(exc)[:200]}"))
 
 
