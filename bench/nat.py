@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -89,7 +90,7 @@ def one_run(algorithm: str, n_blocked: int, steps: int, n: int = 4) -> dict[str,
         "partial_rounds": sum(s["rounds_partial"] for s in sums),
         "failed_rounds": sum(s["rounds_failed"] for s in sums),
         "solo_steps": sum(s["solo_steps"] for s in sums),
-        "leader_unreachable_lines": sum(log.count("unreachable; trying the next") for log in logs),
+        "leader_unreachable_lines": sum(len(re.findall(r"round leader \w+ unreachable", log)) for log in logs),
         "outbound_lines": sum("taking part as an outbound-only peer" in log for log in logs),
         "identical_globals": identical,
         "finished": all(s["finished"] and s["outer_step"] == steps for s in sums),
