@@ -1,10 +1,12 @@
 """Bandwidth-optimal averaging of one flat fp32 vector across a round's group: reduce-scatter, then all-gather.
 
-The vector is cut into one contiguous shard per member. Member i owns shard i: every other member streams its
-encoded shard i to member i, which decodes all contributions, sums them in fp32 in member order, divides by the group
-size, encodes the average once, and streams those same bytes back to every member on the same gRPC stream. Each peer
-therefore sends and receives (n-1)/n of the vector twice, nothing is funnelled through one peer, and because every
-member (the owner included) decodes the *same bytes* of each averaged shard, all members end bit-identical.
+The vector is cut into one contiguous shard per reachable member (the owners, in member order; outbound-only members,
+which nobody can dial, own none). Owner i owns shard i: every other member streams its encoded shard i to it over a
+stream the sender opens, and the owner decodes all contributions, sums them in fp32 in member order, divides by the
+group size, encodes the average once, and streams those same bytes back to every member on the same gRPC stream.
+Each peer therefore sends and receives (n-1)/n of the vector twice (with all members reachable), nothing is funnelled
+through one peer, and because every member (the owner included) decodes the *same bytes* of each averaged shard,
+all members end bit-identical.
 
 A round is all-or-nothing: if any contribution is missing when the deadline passes, or any stream fails, the round
 fails on every member (owners abort the streams they serve, so a failure spreads in one round trip) and the caller
@@ -128,9 +130,14 @@ class ReduceRound:
         self.executor = executor
         self.chunk_bytes = chunk_bytes
         self.ids = [m.peer_id for m in group.members]
-        self.me = self.ids.index(identity.peer_id)
+        self.member = self.ids.index(identity.peer_id)  # our index among the members (contributions)
         self.n = len(self.ids)
-        self.bounds = shard_bounds(vector.numel(), self.n)
+        # Shard owners: the members others can dial. Every member opens a stream to every other owner, so an
+        # outbound-only member sends and receives everything on connections it opened itself.
+        self.owners = [i for i, m in enumerate(group.members) if not m.outbound_only]  # none: run() refuses
+        self.me = self.owners.index(self.member) if self.member in self.owners else -1  # our shard, -1: none
+        self.n_shards = len(self.owners)
+        self.bounds = shard_bounds(vector.numel(), self.n_shards) if self.owners else []
         self.deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
         self.contrib: list[torch.Tensor | None] = [None] * self.n
@@ -152,6 +159,8 @@ class ReduceRound:
         """Size limit for a contribution, checked against the round's layout before anything is allocated."""
         if sender not in self.ids or sender == self.identity.peer_id:
             raise StreamError("not_member", f"{sender[:8]} is not a member of this round")
+        if self.me < 0:
+            raise StreamError("wrong_shape", "this peer owns no shard in this round (it is outbound-only)")
         if header.shard != self.me or header.numel != self.shard_numel(self.me):
             raise StreamError(
                 "wrong_shape",
@@ -203,7 +212,7 @@ class ReduceRound:
         are screened first (ContributionRejected) and the run's aggregation rule used."""
         contribs = [c for c in self.contrib if c is not None]
         if self.guard is not None:
-            self.guard.screen(self.group.fragment, self.me, contribs)
+            self.guard.screen(self.group.fragment, self.member, contribs)
             acc = self.guard.aggregate(contribs, self.private)
         else:
             acc = mean_of(contribs, self.private)
@@ -253,20 +262,27 @@ class ReduceRound:
 
     # -- member side ------------------------------------------------------------------------------------------
     async def run(self, stub_for: StubFor, verifier: Verifier) -> RoundResult:
+        if not self.owners:  # a failed round like any other, so the caller retries with a new group
+            self._deadline_handle.cancel()
+            raise RoundFailed("no reachable peer in the group: nobody can own a shard", set(), "no_reachable")
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
             payloads = await loop.run_in_executor(self.executor, self._encode_all)
-            await self._add_own(payloads[self.me])
+            if self.me >= 0:
+                await self._add_own(payloads[self.me])
             tasks = {
                 j: asyncio.ensure_future(self._exchange(j, payloads[j], stub_for, verifier))
-                for j in range(self.n)
+                for j in range(self.n_shards)
                 if j != self.me
             }
             remaining = max(self.deadline - time.monotonic(), 0.01)
             results: dict[int, torch.Tensor] = {}
-            own_wait = asyncio.ensure_future(asyncio.shield(self.reduced))
-            waiting: dict[asyncio.Future, int] = {own_wait: self.me, **{t: j for j, t in tasks.items()}}
+            waiting: dict[asyncio.Future, int] = {t: j for j, t in tasks.items()}
+            own_wait: asyncio.Future | None = None
+            if self.me >= 0:  # an outbound-only member owns no shard: nothing to reduce here
+                own_wait = asyncio.ensure_future(asyncio.shield(self.reduced))
+                waiting[own_wait] = self.me
             try:
                 # Fail as soon as any part fails (not when the parts before it in member order are done), so a
                 # failure anywhere in the group reaches every member in one round trip.
@@ -279,7 +295,8 @@ class ReduceRound:
                 for fut, j in waiting.items():
                     results[j] = fut.result()[1] if j == self.me else fut.result()
             except BaseException as exc:
-                own_wait.cancel()
+                if own_wait is not None:
+                    own_wait.cancel()
                 for task in tasks.values():
                     task.cancel()
                 self.abort(exc if isinstance(exc, RoundFailed) else RoundFailed(str(exc)))
@@ -287,13 +304,15 @@ class ReduceRound:
         finally:
             self._deadline_handle.cancel()
         if self.guard is not None:  # the same verdict on every member: it depends only on bytes they all received
-            bad = self.guard.screen_replies(self.me, [results[j] for j in range(self.n)])
-            for j in bad:
-                self._invalid(self.ids[j], "too_large")
+            bad = [
+                self.owners[j] for j in self.guard.screen_replies(self.me, [results[j] for j in range(self.n_shards)])
+            ]
+            for i in bad:
+                self._invalid(self.ids[i], "too_large")
             if bad:
-                names = sorted(self.ids[j][:8] for j in bad)
+                names = sorted(self.ids[i][:8] for i in bad)
                 raise RoundFailed(f"averaged shards from {names} are far larger than the others'",
-                                  {self.ids[j] for j in bad}, "rejected")  # fmt: skip
+                                  {self.ids[i] for i in bad}, "rejected")  # fmt: skip
         assert self.average is not None  # every shard was placed by whoever produced it
         self.stats.seconds = time.perf_counter() - t0
         return RoundResult(self.average, self.group, list(self.ids), self.stats, self.sent_decoded)
@@ -313,7 +332,7 @@ class ReduceRound:
         bad = [faults.poisoned(part) for part in parts]  # a test-only injector: each part itself unless enabled
         if any(b is not part for b, part in zip(bad, parts, strict=True)):
             self.sent_decoded = None
-            if not bool(torch.isfinite(bad[self.me]).all()):
+            if self.me >= 0 and not bool(torch.isfinite(bad[self.me]).all()):
                 bad[self.me] = parts[self.me]  # a NaN frame would not decode for us either
             return [faults.forge_frame(self.codec, b.contiguous()) for b in bad]
         out: list[bytes | SealedFrame | torch.Tensor] = []
@@ -336,15 +355,15 @@ class ReduceRound:
 
     async def _add_own(self, payload: bytes | SealedFrame | torch.Tensor) -> None:
         if isinstance(payload, torch.Tensor):
-            self.private[self.me] = False  # the caller's memory: never summed into
-            await self._accept(self.me, payload)
+            self.private[self.member] = False  # the caller's memory: never summed into
+            await self._accept(self.member, payload)
         else:
             await self.add_contribution(self.identity.peer_id, bytes(payload))
 
     async def _exchange(
         self, j: int, payload: bytes | SealedFrame, stub_for: StubFor, verifier: Verifier
     ) -> torch.Tensor:
-        member = self.group.members[j]
+        member = self.group.members[self.owners[j]]
         header = pb.TensorHeader(
             round_id=self.group.round_id, shard=j, numel=self.shard_numel(j), codec=self.codec.name, kind="reduce"
         )

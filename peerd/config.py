@@ -143,6 +143,9 @@ class NetworkSection:
     forget_after: float = 300.0  # a dead peer stays expected in rounds (they are partial without it) for this long
     linger: float = 30.0  # after the last outer step, serve state this long for peers still finishing or restarting
     join_timeout: float = 60.0  # how long `peerd start` retries a bootstrap address where nothing answers
+    relay: bool = True  # when reachable, carry NoLoCo calls for outbound-only peers (peerd/relay.py)
+    relay_max_peers: int = 16  # outbound-only peers that may attach at once
+    relay_peer_mbit: float = 100.0  # relayed traffic per attached peer, both directions (burst: 64 MiB)
 
 
 @dataclass
@@ -229,6 +232,8 @@ class RunConfig:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
         if not 0 < self.network.join_timeout < math.inf:
             raise ConfigError("network.join_timeout must be > 0 seconds")
+        if self.network.relay_max_peers < 0 or not self.network.relay_peer_mbit > 0:
+            raise ConfigError("network.relay_max_peers must be >= 0 and network.relay_peer_mbit > 0")
 
     def _validate_security(self) -> None:
         adm, rob, sec = self.admission, self.robust, self.security
@@ -376,6 +381,9 @@ round_timeout = 120.0
 match_timeout = 10.0
 chunk_bytes = 1048576
 join_timeout = 60.0       # seconds `peerd start` retries bootstrap addresses where nothing answers
+relay = true              # when reachable, relay NoLoCo exchanges for peers behind NAT (README: Behind NAT)
+relay_max_peers = 16      # outbound-only peers that may attach at once
+relay_peer_mbit = 100.0   # relayed traffic allowed per attached peer
 
 [checkpoint]
 every = 1

@@ -28,7 +28,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from peerd import bootstrap, reflection, tls
+from peerd import bootstrap, faults, reflection, tls
 from peerd.admission import Admission, AdmissionError
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -39,7 +39,9 @@ from peerd.envelope import AuthError, Verifier, set_admission_prover, sign
 from peerd.identity import Identity, peer_id_of
 from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
+from peerd.reachability import Reachability, dialable
 from peerd.redial import Redialer
+from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
@@ -187,6 +189,8 @@ class Daemon:
             net.gossip_interval,
             net.redial_max,
         )
+        self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
+        self.relay_server, self.relay_client = RelayServer(self), RelayClient(self)  # peerd/relay.py
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, join_timeout: float = 60.0) -> None:
@@ -223,16 +227,17 @@ class Daemon:
             # No SO_REUSEPORT: with it a second daemon on a busy port binds too and takes half the calls.
             options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=1024,
-            interceptors=[self.limits.interceptor(self.count_rejected)],
+            interceptors=[*faults.inbound_blockers(), self.limits.interceptor(self.count_rejected)],
         )
         from peerd.v1 import peerd_pb2_grpc as rpc
 
         rpc.add_MembershipServicer_to_server(MembershipService(self), server)
         rpc.add_RoundsServicer_to_server(RoundsService(self), server)
         rpc.add_StateServicer_to_server(StateService(self), server)
+        rpc.add_RelayServicer_to_server(self.relay_server, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State")]
+        names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Membership", "Rounds", "State", "Relay")]
         reflection.enable(server, [*names, health.SERVICE_NAME])
         try:
             if self.tls is not None:
@@ -292,6 +297,7 @@ class Daemon:
         self.membership.snapshot()
         self._tasks.append(asyncio.ensure_future(self._gossip_loop()))
         self._tasks.append(asyncio.ensure_future(self._redial_loop()))
+        self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
 
     def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> None:
         """Block until `n` peers (us included) are settled members, so the first round has one leader for all."""
@@ -330,7 +336,7 @@ class Daemon:
             self.me.left = True
             self.me.heartbeat += 1
             req = sign(pb.LeaveRequest(self=self.membership.signed_self()), "Leave", self.identity, self.run_id)
-            peers = self.membership.alive(include_self=False)
+            peers = [p for p in self.membership.alive(include_self=False) if dialable(p)]
             await asyncio.gather(
                 *(self.channels.membership(p.address, p).Leave(req, timeout=min(2.0, drain)) for p in peers),
                 return_exceptions=True,
@@ -380,8 +386,10 @@ class Daemon:
         )
 
     async def _join_one(self, addr: str, peer: pb.PeerInfo | None, timeout: float = 5.0) -> None:
-        """One Join call to a bootstrap address; NoAnswer when it cannot be reached, JoinError when refused."""
+        """One Join call to a bootstrap address; NoAnswer when it cannot be reached, JoinError when refused. Before
+        the first Join the peer there dials us back, so our entry carries the reachability verdict from the start."""
         assert self.channels is not None
+        await self.reach.before_join(addr)
         req = sign(
             pb.JoinRequest(self=self.membership.signed_self(), run_spec_json=self.cfg.spec_json(), dialed_address=addr),
             "Join",
@@ -434,7 +442,8 @@ class Daemon:
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.membership.bump()
             self._refresh_suspects()
-            others = self.membership.alive(include_self=False)
+            others = self.reach.dial_targets(self.membership.alive(include_self=False))
+            self.reach.tick(others)
             targets = random.sample(others, min(3, len(others)))
             if targets:
                 await asyncio.gather(*(self._gossip_one(p) for p in targets))
@@ -484,6 +493,7 @@ class Daemon:
             return False
         self.count_sent("gossip", 0, req.ByteSize())
         self.merge_gossip(resp.peers)
+        self.reach.observe(peer, resp.observed_address)
         return True
 
     def merge_gossip(self, peers: Any) -> list[str]:
@@ -613,7 +623,7 @@ class Daemon:
         # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
         # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
         excluded = set(request.suspects) - {self.identity.peer_id}
-        leader = next(p for p in self.membership.alive() if p.peer_id not in excluded)
+        leader = next(p for p in self.membership.alive() if p.peer_id not in excluded and dialable(p))
         if leader.peer_id < self.identity.peer_id:
             return pb.RendezvousResponse(redirect=leader)
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
@@ -647,13 +657,20 @@ class Daemon:
         timeout = 3 * self.cfg.network.rendezvous_timeout + 10.0
         for _ in range(16):
             if target is None:
-                candidates = [p for p in self.membership.settled() if p.peer_id not in tried]
+                # outbound-only peers never lead: nobody could dial them
+                candidates = [p for p in self.membership.settled() if p.peer_id not in tried and dialable(p)]
+                if not candidates and self.me.outbound_only:
+                    if await self.reach.wait_for_dialable(self.cfg.network.rendezvous_timeout):
+                        continue
+                    raise RoundFailed("no reachable peer to lead the round: this peer cannot be dialled either")
                 target = candidates[0] if candidates else self.me
                 if target.peer_id == self.identity.peer_id:
                     # The rule a leader applies to others applies to us: lead only while no lower live peer exists,
                     # settled or not, or we would wait in a group everyone else is redirected away from.
                     lower = [
-                        p for p in self.membership.alive() if p.peer_id < target.peer_id and p.peer_id not in tried
+                        p
+                        for p in self.membership.alive()
+                        if p.peer_id < target.peer_id and p.peer_id not in tried and dialable(p)
                     ]
                     target = lower[0] if lower else target
             if target.peer_id == self.identity.peer_id:
@@ -998,8 +1015,13 @@ class Daemon:
             live = [
                 p
                 for p in self.membership.alive(include_self=False)
-                if p.outer_step >= min_step and p.state_digest and (not better or outranks(claim_of(p), mine))
+                if p.outer_step >= min_step
+                and p.state_digest
+                and dialable(p)
+                and (not better or outranks(claim_of(p), mine))
             ]
+            if self.me.outbound_only and not await self.reach.wait_for_dialable(deadline - time.monotonic()):
+                break  # nobody we could download from
             # The highest-ranked claim first (the split-brain rule), then the holders of the state most peers
             # hold: among claims of equal rank, the one more peers vouch for.
             votes: dict[bytes, int] = {}
@@ -1066,6 +1088,8 @@ class Daemon:
             forks_healed=s.forks_healed,
             alone_since=self.alone.status,
             expected=self.membership.expected(),
+            reachability=self.reach.line(),
+            relayed_bytes=self.relay_server.relayed_bytes,
         )
         if redact:
             msg.redacted = True

@@ -6,10 +6,12 @@ normal run. Keep every injector here, so a reader sees in one place how a daemon
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sized
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sized
+from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from peerd.codecs import Codec, make_codec
@@ -76,3 +78,23 @@ def step_delay() -> float:
 # Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
 # so tests can stop a joiner while it waits in a state download.
 STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)
+
+
+# Refuse every inbound call but Status (which the local user asks): a peer behind a NAT or firewall, simulated without
+# root or namespaces. Each refused call is logged, so tests can check that nobody dials an outbound-only peer.
+NO_INBOUND = _env("PEERD_FAULT_NO_INBOUND") == "1"
+
+
+class _NoInbound(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        if details.method.endswith("/Status"):
+            return await continuation(details)
+        logging.getLogger("peerd").warning("fault: refused inbound call %s", details.method)
+        return None  # the caller sees UNIMPLEMENTED
+
+
+def inbound_blockers() -> list[grpc.aio.ServerInterceptor]:
+    """Server interceptors of the PEERD_FAULT_NO_INBOUND injector (none unless on)."""
+    return [_NoInbound()] if NO_INBOUND else []

@@ -201,6 +201,17 @@ class PeerMetrics:
             "Peer-rounds behind this peer's global state (the split-brain rule's weight).",
             registry=registry,
         )
+        self.reachable = Gauge(
+            "peerd_reachable",
+            "1: other peers can dial this one (its dial-back probe passed, or was not run yet); 0: outbound-only.",
+            registry=registry,
+        )
+        self.reachable.set(1)
+        self.relayed_bytes = Counter(
+            "peerd_relayed_bytes",
+            "Bytes this peer relayed between other peers (outbound-only peers).",
+            registry=registry,
+        )
 
         # Compute.
         self.compute_idle_seconds = Counter(

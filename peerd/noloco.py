@@ -42,6 +42,7 @@ import torch
 from peerd.algorithm import OuterAlgorithm
 from peerd.allreduce import RoundResult
 from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
+from peerd.relay import RelayTransport, pair_targets
 from peerd.v1 import peerd_pb2 as pb
 from trainer.outer import noloco_step
 
@@ -96,6 +97,17 @@ async def _live_steps(daemon: Daemon) -> list[int]:
     return [p.outer_step for p in daemon.membership.alive(include_self=False)]
 
 
+def _with_known_steps(daemon: Daemon) -> list[pb.PeerInfo]:
+    """Live peers (copies) with the newest step we know each finished: gossip, or an exchange it had with us."""
+    out = []
+    for p in daemon.membership.alive(include_self=False):
+        q = pb.PeerInfo()
+        q.CopyFrom(p)
+        q.outer_step = daemon.membership.step_of(p)
+        out.append(q)
+    return out
+
+
 def pair_session(daemon: Daemon, numel: int) -> Pairing:
     """The pairing endpoint for this daemon, configured from its run config."""
     cfg = daemon.cfg
@@ -115,12 +127,15 @@ def pair_session(daemon: Daemon, numel: int) -> Pairing:
         executor=daemon.executor,
         numel=numel,
         settings=settings,
-        transport=GrpcTransport(lambda: daemon.channels),
-        candidates=lambda: daemon.membership.alive(include_self=False),
+        transport=RelayTransport(daemon, GrpcTransport(lambda: daemon.channels)),
+        # Proposers dial their targets: an outbound-only peer is proposed to only through its relay (peerd/relay.py)
+        candidates=lambda: pair_targets(daemon, _with_known_steps(daemon)),
         lookup=daemon.membership.get,
         me=lambda: daemon.me,
         on_rejected=daemon.count_rejected,
         on_unreachable=daemon.membership.mark_unreachable,
+        note_step=daemon.membership.note_step,
+        yield_s=lambda: daemon.reach.yield_to_outbound(settings.match_timeout),
     )
 
 

@@ -274,6 +274,8 @@ class Pairing:
         me: Callable[[], pb.PeerInfo],
         on_rejected: Callable[[str], None] | None = None,
         on_unreachable: Callable[[str], None] | None = None,
+        note_step: Callable[[str, int], None] | None = None,
+        yield_s: Callable[[], float] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         if numel < 1:
@@ -292,6 +294,12 @@ class Pairing:
         self.me = me
         self.on_rejected = on_rejected or (lambda reason: None)
         self.on_unreachable = on_unreachable or (lambda peer_id: None)  # we could not connect: leave it out a while
+        # A partner finished a step with us: noted beside its gossiped entry (which its own signature covers, so it
+        # is never edited), ahead of its gossip.
+        self.note_step = note_step or (lambda peer_id, step: None)
+        # How long to wait at our boundary for a proposal before proposing ourselves: outbound-only peers can only
+        # propose (nobody dials them), so reachable peers leave them the first move (peerd/reachability.py).
+        self.yield_s = yield_s or (lambda: 0.0)
         self.rng = rng or random.Random(int.from_bytes(os.urandom(8), "little"))
         self.max_wire = codec.max_encoded_size(numel)
         self._session: _Session | None = None  # the group we are in now, if any
@@ -545,6 +553,9 @@ class Pairing:
                     sess = None
                 if sess is None and not self.settings.send_ahead:
                     t_match = time.monotonic()
+                    wait_until = min(t_match + self.yield_s(), match_deadline)
+                    while self._session is None and time.monotonic() < wait_until and not self._closing:
+                        await asyncio.sleep(0.02)
                     sess = await self._find_group(step, match_deadline, 0.0)
                     match_s += time.monotonic() - t_match
                 if sess is None:
@@ -625,9 +636,8 @@ class Pairing:
                 contributions[pid] = dict(sess.received[pid])
         lost = [pid for pid in sess.member_ids if pid not in contributions]
         for pid in contributions:  # they finished that step with us: do not wait for gossip to say so (pacing)
-            info = self.lookup(pid) if pid != self.my_id and pid in sess.peer_steps else None
-            if info is not None:
-                info.outer_step = max(info.outer_step, sess.peer_steps[pid] + 1)
+            if pid != self.my_id and pid in sess.peer_steps:
+                self.note_step(pid, sess.peer_steps[pid] + 1)
         others = [pid[:8] for pid in sess.member_ids if pid != self.my_id]
         note = ("partner " if len(others) == 1 else "group ") + ",".join(others)
         if lost:

@@ -80,7 +80,8 @@ class MembershipService(rpc.MembershipServicer):
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
         await self.d.verify(request, "Gossip", context)
         self.d.merge_gossip(request.peers)
-        return pb.GossipResponse(peers=self.d.membership.gossip_view())
+        observed = _observed_host(context.peer())
+        return pb.GossipResponse(peers=self.d.membership.gossip_view(), observed_address=observed)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         sender = await self.d.verify(request, "Leave", context)
@@ -100,6 +101,17 @@ class MembershipService(rpc.MembershipServicer):
             except AuthError as exc:
                 self.d.count_rejected(exc.reason)
         return self.d.status_message(redact=not full)
+
+    async def Probe(self, request: pb.ProbeRequest, context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
+        """Dial the sender back at its address (peerd/reachability.py)."""
+        sender = await self.d.verify(request, "Probe", context)
+        return await self.d.reach.serve_probe(request, sender, context.peer())
+
+    async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:
+        signature = self.d.reach.echo(request)
+        if signature is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "ProbeEcho: no probe of ours in flight uses this nonce")
+        return pb.ProbeEchoResponse(signature=signature)
 
 
 class RoundsService(rpc.RoundsServicer):

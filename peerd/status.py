@@ -97,6 +97,8 @@ def format_status(st: pb.StatusResponse) -> str:
     lines = [
         f"run        {st.run_id[:16]}  ({st.algorithm}, codec {st.codec})",
         f"peer       {st.peer_id[:16]}  at {st.address}  [{st.state}]",
+        f"reach      {st.reachability or 'not reported'}"
+        + (f"; relayed {st.relayed_bytes / 1e6:.2f} MB for outbound-only peers" if st.relayed_bytes else ""),
         f"step       outer {st.outer_step}, inner {st.inner_step}",
         f"loss       train {st.loss:.4f}, eval {st.eval_loss:.4f}, {st.tokens_per_second:.0f} tokens/s",
         f"traffic    sent {st.bytes_sent_raw / 1e6:.2f} MB raw, {st.bytes_sent_wire / 1e6:.2f} MB on the wire; "
@@ -121,6 +123,7 @@ def format_status(st: pb.StatusResponse) -> str:
     lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known; the run expects {len(st.expected)}")
     for p in sorted(st.peers, key=lambda p: p.peer_id):
         mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
+        mark += ", outbound-only" if p.outbound_only else ""
         lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")
     if st.HasField("last_round"):
         r = st.last_round

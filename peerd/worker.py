@@ -388,6 +388,8 @@ class Worker:
                 for r in st.recent_rounds
             ],
             "finished": st.finished,
+            "reachability": self.daemon.reach.line(),
+            "relayed_bytes": self.daemon.relay_server.relayed_bytes,
         }
         tmp = self.data_dir / "summary.json.tmp"
         try:

@@ -23,7 +23,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,9 @@ class PeerInfo(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     PART_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -54,7 +57,10 @@ class PeerInfo(_message.Message):
     finished: bool
     signature: bytes
     part_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    outbound_only: bool
+    relay: str
+    relays: bool
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -87,10 +93,48 @@ class GossipRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
 
 class GossipResponse(_message.Message):
-    __slots__ = ("peers",)
+    __slots__ = ("peers", "observed_address")
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    observed_address: str
+    def __init__(self, peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., observed_address: _Optional[str] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("auth", "address", "nonce", "tls_cert")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    address: str
+    nonce: bytes
+    tls_cert: bytes
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., address: _Optional[str] = ..., nonce: _Optional[bytes] = ..., tls_cert: _Optional[bytes] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("result", "address", "observed_address")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    address: str
+    observed_address: str
+    def __init__(self, result: _Optional[str] = ..., address: _Optional[str] = ..., observed_address: _Optional[str] = ...) -> None: ...
+
+class ProbeEchoRequest(_message.Message):
+    __slots__ = ("run_id", "nonce")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    run_id: bytes
+    nonce: bytes
+    def __init__(self, run_id: _Optional[bytes] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProbeEchoResponse(_message.Message):
+    __slots__ = ("signature",)
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    signature: bytes
+    def __init__(self, signature: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("auth", "self")
@@ -135,7 +179,7 @@ class RoundSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected")
+    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +215,8 @@ class StatusResponse(_message.Message):
     FORKS_HEALED_FIELD_NUMBER: _ClassVar[int]
     ALONE_SINCE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BYTES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peer_id: str
     address: str
@@ -206,7 +252,9 @@ class StatusResponse(_message.Message):
     forks_healed: int
     alone_since: str
     expected: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ..., work: _Optional[int] = ..., state_downloads: _Optional[int] = ..., forks_healed: _Optional[int] = ..., alone_since: _Optional[str] = ..., expected: _Optional[_Iterable[str]] = ...) -> None: ...
+    reachability: str
+    relayed_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ..., work: _Optional[int] = ..., state_downloads: _Optional[int] = ..., forks_healed: _Optional[int] = ..., alone_since: _Optional[str] = ..., expected: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
 
 class OuterStepRecord(_message.Message):
     __slots__ = ("outer_step", "loss", "eval_loss", "tokens_per_second")
@@ -377,3 +425,21 @@ class StateMessage(_message.Message):
     chunk: bytes
     trailer: TensorTrailer
     def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("auth", "target", "method", "call", "payload", "end", "error")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    target: str
+    method: str
+    call: int
+    payload: bytes
+    end: bool
+    error: str
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., target: _Optional[str] = ..., method: _Optional[str] = ..., call: _Optional[int] = ..., payload: _Optional[bytes] = ..., end: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,16 @@ class MembershipStub:
                 request_serializer=peerd_dot_v1_dot_peerd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peerd__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/peerd.v1.Membership/Probe',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.ProbeResponse.FromString,
+                _registered_method=True)
+        self.ProbeEcho = channel.unary_unary(
+                '/peerd.v1.Membership/ProbeEcho',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.ProbeEchoRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.ProbeEchoResponse.FromString,
+                _registered_method=True)
 
 
 class MembershipServicer:
@@ -84,6 +94,20 @@ class MembershipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """dial me back at my address: am I reachable?
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProbeEcho(self, request, context):
+        """the dial-back (see ProbeEchoRequest)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +130,16 @@ def add_MembershipServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=peerd_dot_v1_dot_peerd__pb2.StatusRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_peerd__pb2.StatusResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.ProbeRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.ProbeResponse.SerializeToString,
+            ),
+            'ProbeEcho': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeEcho,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.ProbeEchoRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.ProbeEchoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +250,60 @@ class Membership:
             '/peerd.v1.Membership/Status',
             peerd_dot_v1_dot_peerd__pb2.StatusRequest.SerializeToString,
             peerd_dot_v1_dot_peerd__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Membership/Probe',
+            peerd_dot_v1_dot_peerd__pb2.ProbeRequest.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeEcho(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Membership/ProbeEcho',
+            peerd_dot_v1_dot_peerd__pb2.ProbeEchoRequest.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.ProbeEchoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -490,6 +578,123 @@ class State:
             '/peerd.v1.State/Download',
             peerd_dot_v1_dot_peerd__pb2.StateRequest.SerializeToString,
             peerd_dot_v1_dot_peerd__pb2.StateMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class RelayStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Attach = channel.stream_stream(
+                '/peerd.v1.Relay/Attach',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
+                _registered_method=True)
+        self.Forward = channel.stream_stream(
+                '/peerd.v1.Relay/Forward',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
+                _registered_method=True)
+
+
+class RelayServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Attach(self, request_iterator, context):
+        """held open by an outbound-only peer
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forward(self, request_iterator, context):
+        """one relayed call for an attached peer
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+            ),
+            'Forward': grpc.stream_stream_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'peerd.v1.Relay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('peerd.v1.Relay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Relay:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/peerd.v1.Relay/Attach',
+            peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/peerd.v1.Relay/Forward',
+            peerd_dot_v1_dot_peerd__pb2.RelayFrame.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.RelayFrame.FromString,
             options,
             channel_credentials,
             insecure,

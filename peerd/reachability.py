@@ -1,0 +1,292 @@
+"""Reachability: can the other peers dial this one, or does it sit behind a NAT or firewall that only lets it dial out?
+
+A joiner asks the peer it joins through to dial it back (`Membership.Probe`, signed) at the address it announces,
+before it sends its Join. The prober opens a fresh connection to that address (pinned to the joiner's TLS certificate)
+and calls `Membership.ProbeEcho` with a nonce the joiner chose; the joiner answers only for a nonce it has in
+flight, with its Ed25519 signature over it, so the prober knows it reached the joiner and not someone else.
+The verdict is one line at start, in `peerd status`, in the `peerd_reachable` metric, and in the `outbound_only`
+flag of our gossiped PeerInfo: no peer ever dials an outbound-only peer (`dialable`). Old entries and peers not yet
+checked have the flag false, which keeps the old behaviour (everyone is dialled).
+
+Probes are rate-limited per sender key and per source host, run a few at a time, and dial only the host the request
+came from: a peer cannot be used to make connections to third parties. A new check runs when a gossip partner sees
+our source address change, and while we have no verdict (the first peer of a swarm has nobody to ask at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from peerd import tls
+from peerd.channels import CHANNEL_OPTIONS
+from peerd.envelope import sign
+from peerd.identity import verify
+from peerd.limits import TokenBucket, remote_ip
+from peerd.v1 import peerd_pb2 as pb
+from peerd.v1 import peerd_pb2_grpc as rpc
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd")
+
+PROBE_DIAL_S = 2.5  # a dial-back whose SYN is dropped fails at this deadline (one lost SYN is retried at 1 s)
+ECHO_TAG = b"peerd-probe-echo\x00"
+NONCE_BYTES = 16
+RECHECK_S = 30.0  # at most one new check per this many seconds
+RECHECK_OUTBOUND_S = 300.0  # outbound-only peers ask again this often (a lost SYN, or a port forwarded since)
+MAX_CONCURRENT_PROBES = 4
+YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
+UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
+
+
+def dialable(peer: pb.PeerInfo) -> bool:
+    """May we open a connection to `peer`? Everyone except peers that found they cannot be dialled."""
+    return not peer.outbound_only
+
+
+def echo_bytes(run_id: bytes, nonce: bytes) -> bytes:
+    return ECHO_TAG + run_id + nonce
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' / '[v6]:port' -> (host, port); ValueError when it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise ValueError(f"not a host:port address: {address[:80]!r}")
+    return host.strip("[]"), int(port)
+
+
+def same_host(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+class ProbeLimiter:
+    """Dial-backs cost a connection each: a few per sender key and per source host, and a few at a time."""
+
+    def __init__(self, per_key: tuple[float, float] = (1 / 10, 3), per_host: tuple[float, float] = (1 / 3, 20)) -> None:
+        self.per_key, self.per_host = per_key, per_host
+        self._buckets: dict[str, TokenBucket] = {}
+        self.running = 0
+
+    def allow(self, key: str, host: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if self.running >= MAX_CONCURRENT_PROBES:
+            return False
+        if len(self._buckets) > 4096:
+            self._buckets.clear()  # bounded memory; forgetting budgets only makes us more lenient for a moment
+        kb = self._buckets.setdefault(f"key:{key}", TokenBucket(*self.per_key, now))
+        hb = self._buckets.setdefault(f"host:{host}", TokenBucket(*self.per_host, now))
+        return kb.take(now) and hb.take(now)
+
+
+class Reachability:
+    """This peer's own verdict (joiner side) and the dial-backs it does for others (prober side)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.state = UNKNOWN
+        self.address = ""  # the address the verdict is about
+        self.pending: dict[bytes, float] = {}  # nonces of our probes in flight -> expiry
+        self.seen: dict[str, str] = {}  # our source host as each gossip partner last saw it
+        self.limiter = ProbeLimiter()
+        self._last_check = -RECHECK_S
+        self._task: asyncio.Task | None = None
+        self._alone_warned = False
+
+    # -- our own verdict -----------------------------------------------------------------------------------------
+    def line(self) -> str:
+        """The one line users see at start and in `peerd status`."""
+        if self.state == REACHABLE:
+            return f"reachable at {self.address}"
+        if self.state == OUTBOUND_ONLY:
+            port = self.address.rpartition(":")[2] or "?"
+            return (
+                "not reachable from outside: taking part as an outbound-only peer; to serve others, "
+                f"forward port {port} to this machine or pass --announce"
+            )
+        return "reachability not checked yet (no peer has dialled us back)"
+
+    async def before_join(self, address: str) -> None:
+        """Called with the bootstrap address just before our Join: ask that peer to dial us back first, so our
+        entry carries the verdict from the moment anyone hears of us. (Joining first as provisionally outbound-only
+        and flipping the flag a moment later made peers disagree on who may lead the next round.)"""
+        if self.state == UNKNOWN:
+            await self.check(address)
+
+    async def check(self, address: str, peer: pb.PeerInfo | None = None) -> None:
+        """Ask the peer at `address` to dial us back; set our flag from its answer."""
+        d = self.d
+        assert d.channels is not None
+        self._last_check = time.monotonic()
+        nonce = os.urandom(NONCE_BYTES)
+        self.pending[nonce] = time.monotonic() + PROBE_DIAL_S + 10.0
+        req = sign(
+            pb.ProbeRequest(address=d.me.address, nonce=nonce, tls_cert=d.me.tls_cert), "Probe", d.identity, d.run_id
+        )
+        try:
+            resp = await d.channels.membership(address, peer).Probe(req, timeout=PROBE_DIAL_S + 5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.info("reachability probe through %s failed: %s %s", address, exc.code().name, exc.details())
+            return
+        finally:
+            self.pending.pop(nonce, None)
+        if resp.result == "reachable":
+            self._set(REACHABLE, resp.address or d.me.address)
+        elif resp.result == "unreachable":
+            self._set(OUTBOUND_ONLY, resp.address or d.me.address)
+        else:
+            log.info("reachability not checked by %s: %s", address, resp.result[:200])
+
+    def _set(self, state: str, address: str) -> None:
+        d = self.d
+        changed = state != self.state
+        self.state, self.address = state, address
+        flag = state == OUTBOUND_ONLY
+        if state == OUTBOUND_ONLY:
+            log.warning(self.line())
+        elif changed:
+            log.info(self.line())
+        d.me.relays = state == REACHABLE and d.cfg.network.relay  # offer to relay only once others reached us
+        if d.me.outbound_only != flag:
+            d.me.outbound_only = flag
+            d.me.heartbeat += 1  # so gossip carries the new flag
+        if d.metrics is not None:
+            d.metrics.reachable.set(0 if state == OUTBOUND_ONLY else 1)
+
+    def observe(self, peer: pb.PeerInfo, observed: str) -> None:
+        """A gossip partner reports the host our request came from: a change means our address may have changed."""
+        if not observed:
+            return
+        before = self.seen.get(peer.peer_id)
+        if len(self.seen) < 4096:
+            self.seen[peer.peer_id] = observed
+        if before is not None and before != observed:
+            log.info("peer %s now sees us at %s (was %s): checking reachability again", peer.peer_id[:8], observed,
+                     before)  # fmt: skip
+            self._spawn(peer)
+
+    def tick(self, alive: Iterable[pb.PeerInfo]) -> None:
+        """Once per gossip interval: without a verdict, or every RECHECK_OUTBOUND_S while outbound-only, ask a
+        random reachable peer to dial us back."""
+        if self.state == REACHABLE:
+            return
+        if self.state == OUTBOUND_ONLY and time.monotonic() - self._last_check < RECHECK_OUTBOUND_S:
+            return
+        peers = [p for p in alive if dialable(p)]
+        if peers:
+            self._spawn(random.choice(peers))
+
+    def _spawn(self, peer: pb.PeerInfo) -> None:
+        if (self._task is not None and not self._task.done()) or time.monotonic() - self._last_check < RECHECK_S:
+            return
+        self._last_check = time.monotonic()
+        self._task = asyncio.ensure_future(self.check(peer.address, peer))
+
+    def dial_targets(self, peers: Iterable[pb.PeerInfo]) -> list[pb.PeerInfo]:
+        """The peers we may dial among `peers`; says once, in one line, when we are outbound-only and nobody is."""
+        peers = list(peers)
+        out = [p for p in peers if dialable(p)]
+        if self.d.me.outbound_only and peers and not out:
+            if not self._alone_warned:
+                log.warning(
+                    "no reachable peer in the swarm: every live peer is outbound-only, so nobody can connect to "
+                    "anybody and this peer trains alone until a reachable peer joins"
+                )
+            self._alone_warned = True
+        elif out:
+            self._alone_warned = False
+        return out
+
+    def yield_to_outbound(self, match_timeout: float) -> float:
+        """NoLoCo: seconds a reachable peer waits at its boundary for a proposal before proposing itself, while
+        outbound-only peers without a relay are live (they can only propose, so they would find every reachable
+        peer taken)."""
+        if self.d.me.outbound_only:
+            return 0.0
+        if not any(p.outbound_only and not p.relay for p in self.d.membership.alive(include_self=False)):
+            return 0.0
+        return min(YIELD_FRACTION * match_timeout, YIELD_MAX_S)
+
+    async def wait_for_dialable(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a live peer we can dial (an outbound-only peer alone with others like it has
+        nobody to lead its rounds or serve its state): True as soon as there is one."""
+        deadline = time.monotonic() + timeout
+        while not self.dial_targets(self.d.membership.alive(include_self=False)):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
+
+    # -- dialling others back ------------------------------------------------------------------------------------
+    def echo(self, request: pb.ProbeEchoRequest) -> bytes | None:
+        """Our signature for a ProbeEcho of one of our probes in flight; None for any other nonce."""
+        now = time.monotonic()
+        for n, expiry in list(self.pending.items()):
+            if expiry < now:
+                del self.pending[n]
+        if request.run_id != self.d.run_id or bytes(request.nonce) not in self.pending:
+            return None
+        return self.d.identity.sign(echo_bytes(self.d.run_id, bytes(request.nonce)))
+
+    async def serve_probe(self, request: pb.ProbeRequest, sender: str, peer: str) -> pb.ProbeResponse:
+        """Dial the (verified) sender back at the address it gave. Refusals are answers, not errors: the caller
+        then simply has no verdict."""
+        src = remote_ip(peer)
+        observed = str(src) if src is not None else ""
+        if len(request.nonce) != NONCE_BYTES:
+            return pb.ProbeResponse(result=f"refused: the nonce must be {NONCE_BYTES} bytes", observed_address=observed)
+        try:
+            host, port = split_address(request.address)
+        except ValueError as exc:
+            return pb.ProbeResponse(result=f"refused: {exc}", observed_address=observed)
+        if host in ("", "0.0.0.0", "::"):
+            host = observed
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if not observed or not same_host(host, observed):
+            why = f"refused: {host} is not the host this request came from ({observed or 'unknown'})"
+            return pb.ProbeResponse(result=why, address=address, observed_address=observed)
+        if not self.limiter.allow(sender, observed):
+            self.d.count_rejected("rate_limited")
+            return pb.ProbeResponse(result="refused: rate limited", address=address, observed_address=observed)
+        self.limiter.running += 1
+        try:
+            ok, why = await self._dial_back(address, bytes(request.auth.public_key), bytes(request.tls_cert),
+                                            bytes(request.nonce))  # fmt: skip
+        finally:
+            self.limiter.running -= 1
+        log.info("dial-back probe of %s at %s: %s", sender[:8], address, "reachable" if ok else f"unreachable ({why})")
+        return pb.ProbeResponse(result="reachable" if ok else "unreachable", address=address, observed_address=observed)
+
+    async def _dial_back(self, address: str, public_key: bytes, cert: bytes, nonce: bytes) -> tuple[bool, str]:
+        if self.d.tls is not None:
+            try:
+                pid = tls.verify_cert(cert, public_key)
+            except (tls.TlsError, ValueError) as exc:
+                return False, f"certificate refused: {exc}"
+            opts = CHANNEL_OPTIONS + tls.channel_options(pid)
+            channel = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
+        else:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            req = pb.ProbeEchoRequest(run_id=self.d.run_id, nonce=nonce)
+            resp = await rpc.MembershipStub(channel).ProbeEcho(req, timeout=PROBE_DIAL_S)
+        except grpc.aio.AioRpcError as exc:
+            return False, exc.code().name
+        finally:
+            await channel.close()
+        if not verify(public_key, bytes(resp.signature), echo_bytes(self.d.run_id, nonce)):
+            return False, "the peer there is not the one that asked"
+        return True, ""

@@ -1,0 +1,279 @@
+"""Peers behind a NAT or firewall (issue 11): the dial-back probe, outbound-only peers in every algorithm, relays.
+
+Swarm tests run real `peerd start` processes on 127.0.0.1; an outbound-only peer is simulated by the
+PEERD_FAULT_NO_INBOUND injector (peerd/faults.py), which refuses and logs every inbound call, so a test also sees
+that nobody dialled it. Namespace tests with real dropped SYNs are in tests/test_nat_netns.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.nat import write_keys
+from peerd.config import RunConfig
+from peerd.demo import global_params
+from peerd.identity import Identity, verify
+from peerd.reachability import (
+    OUTBOUND_ONLY,
+    REACHABLE,
+    ProbeLimiter,
+    Reachability,
+    dialable,
+    echo_bytes,
+    same_host,
+    split_address,
+)
+from peerd.v1 import peerd_pb2 as pb
+from tests.swarm import Swarm, tiny_config
+
+NO_INBOUND = {"PEERD_FAULT_NO_INBOUND": "1"}
+OUTBOUND_LINE = "not reachable from outside: taking part as an outbound-only peer"
+LEADER_UNREACHABLE = "round leader"  # "round leader X unreachable (CODE); trying the next"
+
+
+# -- units ----------------------------------------------------------------------------------------------------------
+def test_old_entries_and_unchecked_peers_are_dialable() -> None:
+    assert dialable(pb.PeerInfo(peer_id="a"))
+    assert not dialable(pb.PeerInfo(peer_id="a", outbound_only=True))
+    # an entry serialized by a peer that predates the field parses with the flag off
+    assert not pb.PeerInfo.FromString(pb.PeerInfo(peer_id="a", address="h:1").SerializeToString()).outbound_only
+
+
+@pytest.mark.parametrize("bad", ["", "host", "host:", ":80", "host:0", "host:70000", "host:x"])
+def test_split_address_refuses_malformed(bad: str) -> None:
+    with pytest.raises(ValueError):
+        split_address(bad)
+
+
+def test_split_address_and_same_host() -> None:
+    assert split_address("10.0.0.1:7000") == ("10.0.0.1", 7000)
+    assert split_address("[::1]:7000") == ("::1", 7000)
+    assert same_host("::ffff:1.2.3.4", "::ffff:1.2.3.4") and not same_host("1.2.3.4", "1.2.3.5")
+
+
+def test_probe_limiter_per_key_per_host_and_concurrency() -> None:
+    lim = ProbeLimiter(per_key=(0.0, 2), per_host=(0.0, 3))
+    assert lim.allow("k1", "h", 0) and lim.allow("k1", "h", 0)
+    assert not lim.allow("k1", "h", 0)  # the key's budget is spent
+    assert lim.allow("k2", "h", 0)
+    assert not lim.allow("k3", "h", 0)  # the host's budget is spent, whatever the key
+    assert lim.allow("k3", "other", 0)
+    lim.running = 4
+    assert not lim.allow("k4", "h2", 0)
+
+
+class _FakeDaemon:
+    def __init__(self) -> None:
+        self.identity = Identity.generate()
+        self.run_id = b"r" * 32
+        self.me = pb.PeerInfo(peer_id=self.identity.peer_id, address="0.0.0.0:7000", heartbeat=5)
+        self.metrics = None
+        self.cfg = RunConfig()
+
+
+def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
+    d: Any = _FakeDaemon()
+    r = Reachability(d)
+    assert r.echo(pb.ProbeEchoRequest(run_id=d.run_id, nonce=b"n" * 16)) is None
+    r.pending[b"n" * 16] = float("inf")
+    assert r.echo(pb.ProbeEchoRequest(run_id=b"x" * 32, nonce=b"n" * 16)) is None  # another run
+    sig = r.echo(pb.ProbeEchoRequest(run_id=d.run_id, nonce=b"n" * 16))
+    assert sig is not None and verify(d.identity.public_key, sig, echo_bytes(d.run_id, b"n" * 16))
+    r._set(OUTBOUND_ONLY, "1.2.3.4:7000")
+    assert d.me.outbound_only and d.me.heartbeat == 6
+    assert r.line().startswith(OUTBOUND_LINE) and "forward port 7000" in r.line() and "--announce" in r.line()
+    r._set(REACHABLE, "1.2.3.4:7000")
+    assert not d.me.outbound_only and d.me.heartbeat == 7 and r.line() == "reachable at 1.2.3.4:7000"
+    assert d.me.relays  # a reachable peer offers to relay ([network] relay defaults to true)
+
+
+def test_a_changed_observed_address_triggers_a_new_check() -> None:
+    import asyncio
+
+    r = Reachability(_FakeDaemon())  # type: ignore[arg-type]
+    asked: list[str] = []
+
+    async def check(address: str, peer: Any = None) -> None:
+        asked.append(address)
+
+    r.check = check  # type: ignore[method-assign]
+    r._last_check = -1e9
+    peer = pb.PeerInfo(peer_id="p" * 32, address="10.0.0.9:7000")
+
+    async def scenario() -> None:
+        r.observe(peer, "198.51.100.1")
+        r.observe(peer, "198.51.100.1")
+        await asyncio.sleep(0)
+        assert asked == []  # first sighting, then the same: nothing to check
+        r.observe(peer, "198.51.100.2")
+        await asyncio.sleep(0)
+        assert asked == ["10.0.0.9:7000"]
+        r.observe(peer, "198.51.100.3")  # within RECHECK_S of the last check: rate-limited
+        await asyncio.sleep(0)
+        assert asked == ["10.0.0.9:7000"]
+
+    asyncio.run(scenario())
+
+
+def test_relay_counts_bytes_and_refuses_over_the_per_peer_limit() -> None:
+    from peerd.limits import LimitExceeded
+    from peerd.relay import BURST_BYTES, RelayServer, _Attached
+
+    srv = RelayServer(_FakeDaemon())  # type: ignore[arg-type]
+    att = _Attached("a" * 32, rate_bytes=0.0)  # no refill: only the burst
+    srv._count(att, BURST_BYTES - 10)
+    with pytest.raises(LimitExceeded):
+        srv._count(att, 11)
+    assert srv.relayed_bytes == BURST_BYTES - 10
+    other = _Attached("b" * 32, rate_bytes=0.0)  # the limit is per attached peer
+    srv._count(other, 11)
+
+
+def test_status_shows_reachability_and_outbound_only_peers() -> None:
+    from peerd.status import format_status
+
+    st = pb.StatusResponse(
+        peer_id="a" * 32,
+        reachability="not reachable from outside: taking part as an outbound-only peer; ...",
+        relayed_bytes=3_000_000,
+        peers=[pb.PeerInfo(peer_id="b" * 32, address="10.0.0.2:7000", outbound_only=True)],
+        alive=["b" * 32],
+    )
+    text = format_status(st)
+    assert "reach      not reachable from outside" in text and "relayed 3.00 MB" in text
+    assert "alive, outbound-only" in text
+
+
+# -- swarms on loopback ---------------------------------------------------------------------------------------------
+def run_swarm(tmp_path: Path, n: int, blocked: list[int], **cfg: Any) -> Swarm:
+    write_keys(tmp_path, n, blocked)
+    swarm = Swarm(tmp_path, n, tiny_config(tmp_path, **cfg))
+    wait = n
+    first = swarm.spawn(0, None, wait_peers=wait)
+    swarm.peers.append(first)
+    for i in range(1, n):
+        env = NO_INBOUND if i in blocked else None
+        swarm.peers.append(swarm.spawn(i, first.address, wait_peers=wait, env=env))
+    return swarm
+
+
+def assert_nobody_dialled(swarm: Swarm, blocked: list[int]) -> None:
+    for i in blocked:
+        log = swarm.peers[i].log()
+        assert OUTBOUND_LINE in log, swarm.peers[i].log_tail()
+        refused = [line for line in log.splitlines() if "fault: refused inbound call" in line]
+        assert len(refused) == 1 and "ProbeEcho" in refused[0], refused
+    for i, p in enumerate(swarm.peers):
+        if i not in blocked:
+            assert "reachable at 127.0.0.1:" in p.log(), p.log_tail()
+        assert LEADER_UNREACHABLE not in p.log()
+
+
+def assert_identical_globals(dirs: list[Path]) -> None:
+    params = [global_params(d) for d in dirs]
+    assert all(p is not None for p in params)
+    for a, b in itertools.combinations(params, 2):
+        assert torch.equal(a["params"], b["params"]), float((a["params"] - b["params"]).abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blocked", [[1], [1, 2]], ids=["1of4", "2of4"])
+def test_diloco_with_outbound_only_peers(tmp_path: Path, blocked: list[int]) -> None:
+    steps = 5
+    swarm = run_swarm(tmp_path, 4, blocked, run__outer_steps=steps)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, blocked)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    ids = {p.summary()["peer_id"] for p in swarm.peers}
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == steps and s["rounds_partial"] == 0, s
+        assert all(set(r["included"]) == ids for r in s["rounds"]), s["rounds"]
+
+
+@pytest.mark.slow
+def test_streaming_with_two_of_four_outbound_only(tmp_path: Path) -> None:
+    from tests.test_streaming import STREAMING, assert_same_digest_after_every_sync, stats_of
+
+    cfg = dict(run__outer_steps=3, inner__steps=8, streaming__tau=2, streaming__late_policy="wait", **STREAMING)
+    swarm = run_swarm(tmp_path, 4, [1, 2], **cfg)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1, 2])
+    dirs = [p.data_dir for p in swarm.peers]
+    assert_identical_globals(dirs)
+    assert assert_same_digest_after_every_sync(dirs) == 5
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 3 and s["rounds_partial"] == 0, s
+        assert all(r["included"] == 4 for r in stats_of(p.data_dir)["syncs"])
+
+
+@pytest.mark.slow
+def test_noloco_outbound_only_peer_pairs_and_is_never_dialled(tmp_path: Path) -> None:
+    swarm = run_swarm(tmp_path, 4, [1], run__algorithm="noloco", run__outer_steps=8)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1])
+    blocked_id = swarm.peers[1].summary()["peer_id"]
+    s = swarm.peers[1].summary()
+    assert s["outer_step"] == 8 and s["rounds_partial"] == 0, s
+    paired = [r for r in s["rounds"] if r["note"].startswith("partner ")]
+    assert len(paired) >= 2, s["rounds"]  # it exchanges, over streams it opened
+    for p in swarm.peers:  # proposals to it went through its relay (test below), never to its address
+        assert p.summary()["rounds_partial"] == 0
+    assert any(blocked_id in r["included"] for p in swarm.peers if p.index != 1 for r in p.summary()["rounds"])
+
+
+@pytest.mark.slow
+def test_noloco_relay_lets_outbound_only_peers_pair_with_anyone(tmp_path: Path) -> None:
+    swarm = run_swarm(tmp_path, 4, [1, 2], run__algorithm="noloco", run__outer_steps=10)
+    try:
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_nobody_dialled(swarm, [1, 2])
+    sums = [p.summary() for p in swarm.peers]
+    blocked = {sums[1]["peer_id"], sums[2]["peer_id"]}
+    for s in sums:
+        assert s["outer_step"] == 10 and s["rounds_partial"] == 0, s
+    assert sum(s["relayed_bytes"] for s in sums) > 0
+    relays = [swarm.peers[i].log() for i in (0, 3)]
+    assert any("relaying for outbound-only peer" in log for log in relays)
+    # paired through the relay: a reachable peer, or the other outbound-only peer, named an outbound-only one
+    # as its partner although nobody can dial it
+    proposed_to = [r for s in sums for r in s["rounds"] if len(r["included"]) == 2 and r["included"][1] in blocked]
+    assert proposed_to, [s["rounds"] for s in sums]
+
+
+@pytest.mark.slow
+def test_swarm_left_with_no_reachable_peer_says_so_and_does_not_train_together(tmp_path: Path) -> None:
+    swarm = run_swarm(tmp_path, 3, [1, 2], run__outer_steps=400)
+    try:
+        swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 2, 120, "outer step 2")
+        swarm.peers[0].terminate()
+        line = "no reachable peer in the swarm"
+        swarm.wait_until(lambda: all(line in swarm.peers[i].log() for i in (1, 2)), 60, "the no-reachable-peer line")
+        time.sleep(3.0)
+    finally:
+        swarm.stop()
+    reachable_id = swarm.peers[0].summary()["peer_id"]
+    for i in (1, 2):
+        log = swarm.peers[i].log()
+        assert log.count(line) == 1, log  # one line, not one per step
+        assert log.count("no reachable peer to lead the round") <= 2, log  # one per rendezvous timeout at most
+        assert OUTBOUND_LINE in log
+        assert all(reachable_id in r["included"] for r in swarm.peers[i].summary()["rounds"])  # none without it
