@@ -181,7 +181,7 @@ class Daemon:
         self.pairing: Any = None  # set by the NoLoCo algorithm
         self.alone = AloneTracker()
         self.redialer = Redialer(
-            self.membership.dead,
+            lambda: [p for p in self.membership.dead() if dialable(p)],  # outbound-only peers dial us again themselves
             self._redial_peer,
             self.bootstrap,
             self._redial_bootstrap,
