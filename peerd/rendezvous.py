@@ -174,10 +174,12 @@ class RendezvousLeader:
         step = key[0]
         # Still expected: live, and not known to be past this step (after a heal, peers that downloaded a newer
         # state will never come; waiting for a majority that includes them only delays the members who did).
+        lineage = key[2]
         waiting = {
             p.peer_id
             for p in m.alive()
-            if (self.my_step() if p.peer_id == m.self_id else m.step_of(p)) <= step or key[1] >= 0
+            if ((self.my_step() if p.peer_id == m.self_id else m.step_of(p)) <= step or key[1] >= 0)
+            and not (lineage and p.outer_step == step and p.state_digest and p.state_digest != lineage)
         }
         pend.expected = {p for p in pend.expected if p in waiting} | set(pend.joined)
         if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:

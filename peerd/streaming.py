@@ -353,6 +353,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             if ex.merge_pending and (ex.late or ex.merge_at <= s):
                 self._merge(ex)
         worker.outer_step = s // self.H
+        missed = self.needs_resync  # left out of rounds (behind, or state reloaded): the swarm's state will differ
         # Publish the quiesced state first, so the split-brain rule compares the claim of the state we now hold
         # (peerd/consistency.py): a swarm ahead of us, or a diverged half with more work, makes us download.
         worker.publish()
@@ -371,7 +372,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         if fork:
             self.stats.digest_mismatches += 1
         if self.needs_resync:
-            self._resync(worker, fork=fork)
+            self._resync(worker, fork=fork, wait=missed and best is None)
         log.info(
             "streaming cycle %d: %d syncs, %d applied, merges %d on time/%d skipped, %.2fs idle, %d resyncs",
             worker.outer_step,
@@ -479,15 +480,16 @@ class StreamingDiLoCo(OuterAlgorithm):
             del self.pending[p]
 
     # -- staying consistent with the swarm -------------------------------------------------------------------
-    def _resync(self, worker: Worker, fork: bool = False) -> None:
+    def _resync(self, worker: Worker, fork: bool = False, wait: bool = False) -> None:
         """Download the swarm's state (published at a cycle boundary, so quiescent) and go on from there.
 
         Like `Worker.resync`, but with a deadline of about one rendezvous: the peers whose state outranks ours
         publish it at their own boundary, so if nobody serves it by then they have left or moved on, and we
-        train on and try again at the next boundary instead of blocking for minutes.
+        train on and try again at the next boundary instead of blocking for minutes. `wait`: we know we missed
+        rounds, so the swarm's state at this boundary will outrank ours once its peers publish it: wait for it.
         """
         daemon = worker.daemon
-        if daemon.canonical() is None:
+        if not wait and daemon.canonical() is None:
             log.info("no live peer holds a better state than ours: going on with our own")
             self.needs_resync = False
             return
@@ -517,6 +519,9 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.needs_resync = False
         self.s = snap.step * self.H
         self.stats.resyncs += 1
+        # Publish before the rounds due at this boundary start: they are grouped by the digest we publish (the
+        # lineage), and the old one would put us in a group of our own.
+        worker.publish()
 
     def _reposition(self, worker: Worker) -> None:
         """The state was replaced at cycle boundary k (checkpoint resume, joiner download): go on from there.
