@@ -651,6 +651,8 @@ class Daemon:
     ) -> pb.RendezvousResponse:
         assert self.leader is not None and self.channels is not None
         tried = set(suspects)
+        gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
+        # us back to a peer it has not noticed is dead (that made two survivors lead groups of one each)
         target: pb.PeerInfo | None = None
         # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
         # here made members give up on a live leader, lead themselves and split the swarm.
@@ -681,7 +683,7 @@ class Daemon:
                 pb.RendezvousRequest(
                     step=step,
                     attempt=attempt,
-                    suspects=sorted(suspects),
+                    suspects=sorted(suspects | gone),
                     fragment=fragment,
                     failed_round=failed_round,
                     work=mine.work,
@@ -697,6 +699,7 @@ class Daemon:
             except PeerSilent as exc:
                 log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
                 tried.add(target.peer_id)
+                gone.add(target.peer_id)
                 target = None
                 continue
             except grpc.aio.AioRpcError as exc:
@@ -704,11 +707,15 @@ class Daemon:
                     raise RoundFailed(f"rendezvous refused by {target.peer_id[:8]}: {exc.details()}") from exc
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
+                gone.add(target.peer_id)
                 self.membership.mark_unreachable(target.peer_id)
                 target = None
                 continue
             if resp.WhichOneof("result") == "redirect":
                 nxt = resp.redirect
+                if nxt.peer_id in gone:  # it has not noticed yet: ask again, naming the dead leader
+                    await asyncio.sleep(0.05)
+                    continue
                 if nxt.peer_id >= target.peer_id or nxt.peer_id in tried:
                     tried.add(target.peer_id)
                     target = None
