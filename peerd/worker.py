@@ -232,10 +232,16 @@ class Worker:
 
     def linger(self, stop: threading.Event) -> bool:
         """After the last outer step, keep serving our state for up to network.linger seconds, until every peer the
-        run expects finished with the same state, so a peer restarting at the very end can still fetch it. A better
-        state seen meanwhile (a split healed late) is adopted. Returns True when that sends us back to training."""
+        run expects finished with the same state, so a peer restarting at the very end can still fetch it (outbound-
+        only peers, whom nobody can dial, do not linger). A better state seen meanwhile (a split healed late) is
+        adopted. Returns True when that sends us back to training."""
         self.publish(finished=True)
-        deadline = time.monotonic() + self.cfg.network.linger
+        # Nobody can dial an outbound-only peer, so it cannot serve its state to anyone: one last split-brain check
+        # (a better state is adopted), then it is done.
+        linger = 0.0 if self.daemon.me.outbound_only else self.cfg.network.linger
+        deadline = time.monotonic() + linger
+        if not linger and self.heal() and self.outer_step < self.cfg.run.outer_steps:
+            return True
         interval = self.cfg.network.gossip_interval
         while not stop.is_set() and time.monotonic() < deadline:
             if self.heal():
