@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peerd")
 
-PROBE_DIAL_S = 2.5  # a dial-back whose SYN is dropped fails at this deadline (one lost SYN is retried at 1 s)
+PROBE_DIAL_S = 1.5  # a dial-back whose SYN is dropped fails at this deadline (one lost SYN is retried at 1 s, and
+# a TLS dial-back over a 200 ms path takes well under a second); a false "unreachable" costs only a later re-check
 ECHO_TAG = b"peerd-probe-echo\x00"
 NONCE_BYTES = 16
 RECHECK_S = 30.0  # at most one new check per this many seconds
