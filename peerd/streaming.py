@@ -360,7 +360,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         best = worker.daemon.canonical()
         if best is not None:
             log.warning(
-                "peer %s holds outer step %d with %d peer-rounds of work, we hold step %d with %d: adopting its state",
+                "peer %s holds outer step %d with %d peer-rounds of work, we hold step %d with %d: downloading state",
                 best.peer_id[:8],
                 best.step,
                 best.work,

@@ -195,7 +195,7 @@ class Worker:
             return False
         forked = best.step <= self.outer_step
         log.warning(
-            "%s: peer %s holds step %d with %d peer-rounds of work, we hold step %d with %d: adopting its state",
+            "%s: peer %s holds step %d with %d peer-rounds of work, we hold step %d with %d: downloading state",
             "split-brain: our state lost to a diverged one" if forked else "the swarm is ahead of us",
             best.peer_id[:8],
             best.step,
