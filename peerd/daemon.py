@@ -950,18 +950,21 @@ class Daemon:
 
         return self.call(newest(), timeout=10.0)
 
-    def all_finished(self) -> bool:
-        """Every peer the run expects finished with the state we hold: nobody still needs us to serve it."""
+    def all_finished(self, ranked: bool = True) -> bool:
+        """Nobody still needs us to serve our state: no peer the run expects is still training, and (for DiLoCo and
+        Streaming, `ranked`) every live finished peer holds the state we hold. A peer that finished on another state
+        (its last round failed where ours succeeded) downloads ours while it lingers, so we wait for it."""
 
         async def check() -> bool:
+            me = self.identity.peer_id
+            if any(pid != me for pid in self.membership.expected()):  # expected() leaves finished peers out
+                return False
+            if not ranked:
+                return True
             mine = self.my_claim()
-            for pid in self.membership.expected():
-                info = self.membership.get(pid)
-                if pid == self.identity.peer_id or info is None:
-                    continue
-                if not (self.membership.is_alive(pid) and info.finished and claim_of(info).same_state(mine)):
-                    return False
-            return True
+            return all(
+                claim_of(info).same_state(mine) for info in self.membership.alive(include_self=False) if info.finished
+            )
 
         return self.call(check(), timeout=10.0)
 

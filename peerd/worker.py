@@ -250,7 +250,7 @@ class Worker:
                     log.info("adopted state at step %d: training on to step %d", self.outer_step, target)
                     return True
                 self.publish(finished=True)
-            elif self.daemon.all_finished():
+            elif self.daemon.all_finished(self.ranked):
                 return False
             stop.wait(interval)
         return False

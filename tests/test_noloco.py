@@ -131,15 +131,18 @@ def test_four_peers_pair_randomly_and_converge(tmp_path: Path) -> None:
         assert seen <= set(ids.values()) - {ids[index]}
         assert len(seen) >= 2, f"peer {index} only ever met {seen}"
     # slow weights differ between peers, but the pull towards partners keeps them close: measured against how far
-    # each moved from the shared init (a local run here: pairs 0.05-0.10 of that; under CI's load, with more solo
-    # steps, up to about 0.17), not against a fixed number that depends on how busy the machine was
+    # each moved from the shared init, not a fixed number that depends on how busy the machine was. Measured: 0.09-0.27
+    # in local runs, 0.31 under CI's load (more solo steps); with the exchange switched off (every peer on its own)
+    # the same run gives 1.08. Half of that separates "pulled together" from "independent" with room for load.
     diff, _ = max_param_diff(dirs)
     assert diff > 0  # not an all-reduce: peers are not identical
     params = [global_params(d) for d in dirs]
     init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
     travelled = min(float((g["params"] - init).norm()) for g in params if g is not None)
     apart = max(float((a["params"] - b["params"]).norm()) for a, b in itertools.combinations(params, 2) if a and b)
-    assert apart < 0.3 * travelled, (apart, travelled)
+    solos = [p.summary()["solo_steps"] for p in swarm.peers]
+    print(f"noloco spread: apart/travelled = {apart / travelled:.3f}, solo steps {solos}")
+    assert apart < 0.5 * travelled, (apart, travelled, solos)
     for a, b in itertools.combinations(params, 2):
         assert a is not None and b is not None
         assert not torch.equal(a["outer_momentum"], b["outer_momentum"])

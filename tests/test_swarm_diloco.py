@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,28 @@ from tests.swarm import Swarm, tiny_config
 pytestmark = pytest.mark.slow
 
 
+def _why_apart(dirs: list[Path]) -> str:
+    """What each peer's summary and log say about its last rounds: a failure here is a fork, and these show where."""
+    out = []
+    for d in dirs:
+        try:
+            s = json.loads((d / "summary.json").read_text())
+            rounds = [(r.get("step"), len(r.get("included", [])), r.get("partial")) for r in s.get("rounds", [])[-4:]]
+            out.append(f"{d.name}: step {s.get('outer_step')} work {s.get('work')} rounds {rounds}")
+        except (OSError, ValueError) as exc:
+            out.append(f"{d.name}: no summary ({exc})")
+        log = (d / "log").read_text(errors="replace").splitlines() if (d / "log").exists() else []
+        out += [f"  {line}" for line in log if "WARNING" in line][-8:]
+    return "\n".join(out)
+
+
 def assert_identical_globals(dirs: list[Path]) -> None:
     params = [global_params(d) for d in dirs]
     assert all(p is not None for p in params)
     for a, b in itertools.combinations(params, 2):
-        assert torch.equal(a["params"], b["params"]), float((a["params"] - b["params"]).abs().max())
-        assert torch.equal(a["outer_momentum"], b["outer_momentum"])
+        diff = float((a["params"] - b["params"]).abs().max())
+        assert torch.equal(a["params"], b["params"]), f"globals differ by {diff}\n{_why_apart(dirs)}"
+        assert torch.equal(a["outer_momentum"], b["outer_momentum"]), _why_apart(dirs)
 
 
 def test_three_peers_join_train_and_agree(tmp_path: Path) -> None:
