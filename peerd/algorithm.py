@@ -1,19 +1,69 @@
-"""The small interface every outer algorithm (DiLoCo, Streaming DiLoCo, NoLoCo) implements.
+"""The small interface every outer algorithm (DiLoCo, Streaming DiLoCo, NoLoCo, the DDP baseline) implements, and
+the two narrow things it is given: the local trainer (`Trainer`, peerd/worker.py) and the swarm (`Swarm`,
+peerd/swarm.py).
 
 The worker owns the model, data and inner optimizer and calls `after_inner_step` once per inner step; an algorithm
-decides when to talk to the swarm and how to fold what comes back into the parameters. Algorithms keep their state
-(global params, outer momentum) as flat fp32 CPU tensors so it can be checkpointed and served to joiners losslessly.
+decides when to talk to the swarm and how to fold what comes back into the parameters, and returns the outer step it
+completed (`StepDone`) rather than writing the worker's counters. Algorithms keep their state (global params, outer
+momentum) as flat fp32 CPU tensors so it can be checkpointed and served to joiners losslessly.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from peerd.worker import Worker
+    from peerd.config import RunConfig
+    from peerd.statesync import StateSnapshot
+    from peerd.swarm import Swarm
+    from trainer.flat import ParamLayout
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """An outer step an algorithm completed: the worker moves to `step`, evaluates, publishes and checkpoints.
+    `published`: the algorithm already published the state of `step` (Streaming does at its cycle boundary), so the
+    worker does not hash and announce it twice."""
+
+    step: int
+    result: Any = None  # the round behind it (allreduce.RoundResult), None after a state download
+    published: bool = False
+
+
+class Trainer(Protocol):
+    """What an algorithm may use of the local trainer (peerd/worker.py)."""
+
+    cfg: RunConfig
+    model: torch.nn.Module
+    layout: ParamLayout
+    data_dir: Path
+    swarm: Swarm
+
+    @property
+    def outer_step(self) -> int: ...
+
+    def add_idle(self, seconds: float) -> None:
+        """Time the trainer spent blocked on communication."""
+
+    def heal(self) -> bool:
+        """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed."""
+
+    def resync(self, min_step: int, why: str = "behind") -> bool:
+        """Download the canonical state (at least `min_step`) and continue from it; True when adopted."""
+
+    def adopt(self, snap: StateSnapshot, why: str) -> None:
+        """Take a downloaded state as ours (counted in status and metrics as `why`)."""
+
+    def publish(self, step: int | None = None, finished: bool = False) -> None:
+        """Serve and announce our state as of `step` (default: the current outer step)."""
+
+    def set_state(self, state: str) -> None:
+        """What status shows this peer doing: "training", "syncing"."""
 
 
 class OuterAlgorithm(ABC):
@@ -23,16 +73,16 @@ class OuterAlgorithm(ABC):
     work: int = 0
 
     @abstractmethod
-    def after_inner_step(self, worker: Worker, t: int) -> bool:
-        """Called after inner step t (0-based, counted since the run began). Returns True when an outer step
-        completed, so the worker evaluates, publishes state and checkpoints."""
+    def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
+        """Called after inner step t (0-based, counted since the run began). Returns the outer step it completed,
+        if any, so the worker evaluates, publishes state and checkpoints."""
 
     @abstractmethod
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The global state every peer of the run shares (served to joiners, digested in gossip)."""
 
     @abstractmethod
-    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
         """Adopt a downloaded or checkpointed global state (and reset local params to it)."""
 
     def part_ranges(self) -> list[list[tuple[int, int]]] | None:
@@ -40,9 +90,10 @@ class OuterAlgorithm(ABC):
         None: the state is one part."""
         return None
 
-    def before_optimizer_step(self, worker: Worker) -> None:  # noqa: B027 - optional hook
+    def before_optimizer_step(self, trainer: Trainer) -> StepDone | None:
         """Called after backward and before gradient clipping and the inner optimizer step (the every-step
-        all-reduce baseline averages gradients here)."""
+        all-reduce baseline averages gradients here, and completes its step)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release background resources (threads, in-flight exchanges)."""

@@ -2,7 +2,7 @@
 pass, the data-parallel equivalent that DiLoCo and NoLoCo are measured against at equal tokens.
 
 Every inner step is a round of its own (rendezvous, reduce-scatter, all-gather through the run's codec), so
-``worker.outer_step`` counts inner steps here, and ``run.outer_steps`` is the number of inner steps to train. Peers
+the trainer's outer step counts inner steps here, and ``run.outer_steps`` is the number of inner steps to train. Peers
 that start from the same weights and average the same gradient bytes stay bit-identical, as in DDP. Evaluation,
 state publishing and checkpoints still happen every ``inner.steps`` steps, at DiLoCo's cadence.
 
@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from peerd.algorithm import OuterAlgorithm
+from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
-
-if TYPE_CHECKING:
-    from peerd.worker import Worker
 
 log = logging.getLogger("peerd")
 
@@ -31,33 +27,33 @@ log = logging.getLogger("peerd")
 class DataParallel(OuterAlgorithm):
     name = "ddp"
 
-    def __init__(self, worker: Worker) -> None:
-        self.H = worker.cfg.inner.steps
-        named = dict(worker.model.named_parameters())
-        self.params = [named[n] for n in worker.layout.names]  # the layout's order, as in every flat buffer
-        self.layout = worker.layout
-        self._reported = worker.outer_step  # the last step after_inner_step reported as an outer step
+    def __init__(self, trainer: Trainer) -> None:
+        self.H = trainer.cfg.inner.steps
+        named = dict(trainer.model.named_parameters())
+        self.params = [named[n] for n in trainer.layout.names]  # the layout's order, as in every flat buffer
+        self.layout = trainer.layout
+        self._reported = trainer.outer_step  # the last step after_inner_step reported as an outer step
 
-    def before_optimizer_step(self, worker: Worker) -> None:
-        step = worker.outer_step
+    def before_optimizer_step(self, trainer: Trainer) -> StepDone | None:
+        step = trainer.outer_step
         grads = self.layout.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
         t0 = time.perf_counter()
         try:
-            result = worker.daemon.allreduce(step, grads)
+            result = trainer.swarm.allreduce(step, grads)
         except Behind as exc:
-            worker.add_idle(time.perf_counter() - t0)
+            trainer.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
-            worker.resync(exc.step)
+            trainer.resync(exc.step)
             self._skip_update()  # keep the downloaded weights as they are
-            return
+            return None
         except RoundFailed as exc:
             # All-or-nothing: nobody applied this round. Skip the update (peers stay identical) and retry the same
             # step after the next backward pass; if the swarm went on without us, that retry says Behind.
-            worker.add_idle(time.perf_counter() - t0)
+            trainer.add_idle(time.perf_counter() - t0)
             log.warning("step %d: gradient round failed (%s); skipping this update", step, exc)
             self._skip_update()
-            return
-        worker.add_idle(time.perf_counter() - t0)
+            return None
+        trainer.add_idle(time.perf_counter() - t0)
         average = result.average.to(grads.device)
         offset = 0
         with torch.no_grad():
@@ -69,24 +65,25 @@ class DataParallel(OuterAlgorithm):
                 else:
                     p.grad.copy_(chunk)
                 offset += n
-        worker.outer_step = step + 1
-        worker.daemon.status.outer_step = step + 1
-        worker.last_result = result
+        return StepDone(step + 1, result)
 
     def _skip_update(self) -> None:
         for p in self.params:
             p.grad = None  # the optimizer skips parameters without gradients
 
-    def after_inner_step(self, worker: Worker, t: int) -> bool:
-        due = worker.outer_step != self._reported and worker.outer_step % self.H == 0
-        if due:
-            self._reported = worker.outer_step
-        return due
+    def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
+        """Every inner step is a round (before_optimizer_step); every H of them counts as an outer step for
+        evaluation, publishing and checkpoints."""
+        due = trainer.outer_step != self._reported and trainer.outer_step % self.H == 0
+        if not due:
+            return None
+        self._reported = trainer.outer_step
+        return StepDone(trainer.outer_step)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"params": self.layout.flatten(self.params).cpu()}  # there is no outer optimizer state
 
-    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
         flat = tensors["params"].float().cpu()
         self.layout.check(flat)
-        self.layout.unflatten_into(flat, worker.model)
+        self.layout.unflatten_into(flat, trainer.model)

@@ -169,6 +169,11 @@ class Membership:
         if entry is not None:
             entry.step_hint = max(entry.step_hint, step)
 
+    def note_round(self, step: int, peer_ids: list[str]) -> None:
+        """Every member of a round we completed finished `step` with us (DiLoCo, Streaming and NoLoCo rounds alike)."""
+        for pid in peer_ids:
+            self.note_step(pid, step)
+
     def step_of(self, info: pb.PeerInfo) -> int:
         """The newest outer step we know `info`'s peer finished: its gossip, or a round we shared."""
         entry = self.entries.get(info.peer_id)

@@ -30,7 +30,6 @@ is still to send.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -39,16 +38,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peerd.algorithm import OuterAlgorithm
+from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundResult
-from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
-from peerd.relay import RelayTransport, pair_targets
 from peerd.v1 import peerd_pb2 as pb
 from trainer.outer import noloco_step
 
 if TYPE_CHECKING:
-    from peerd.daemon import Daemon
-    from peerd.worker import Worker
+    from peerd.pairing import PairOutcome
+    from peerd.swarm import Swarm
 
 log = logging.getLogger("peerd")
 
@@ -92,103 +89,54 @@ def noloco_update(
     return delta_mean
 
 
-async def _live_steps(daemon: Daemon) -> list[int]:
-    """Outer steps of the other live peers (read on the daemon loop, which owns the membership table)."""
-    return [p.outer_step for p in daemon.membership.alive(include_self=False)]
-
-
-def _with_known_steps(daemon: Daemon) -> list[pb.PeerInfo]:
-    """Live peers (copies) with the newest step we know each finished: gossip, or an exchange it had with us."""
-    out = []
-    for p in daemon.membership.alive(include_self=False):
-        q = pb.PeerInfo()
-        q.CopyFrom(p)
-        q.outer_step = daemon.membership.step_of(p)
-        out.append(q)
-    return out
-
-
-def pair_session(daemon: Daemon, numel: int) -> Pairing:
-    """The pairing endpoint for this daemon, configured from its run config."""
-    cfg = daemon.cfg
-    settings = PairSettings(
-        group_size=cfg.noloco.group_size,
-        max_staleness=cfg.noloco.max_staleness,
-        match_timeout=cfg.network.match_timeout,
-        exchange_timeout=cfg.network.round_timeout,
-        chunk_bytes=cfg.network.chunk_bytes,
-        send_ahead=cfg.noloco.send_ahead,
-    )
-    return Pairing(
-        identity=daemon.identity,
-        run_id=daemon.run_id,
-        verifier=daemon.verifier,
-        codec=daemon.codec,
-        executor=daemon.executor,
-        numel=numel,
-        settings=settings,
-        transport=RelayTransport(daemon, GrpcTransport(lambda: daemon.channels)),
-        # Proposers dial their targets: an outbound-only peer is proposed to only through its relay (peerd/relay.py)
-        candidates=lambda: pair_targets(daemon, _with_known_steps(daemon)),
-        lookup=daemon.membership.get,
-        me=lambda: daemon.me,
-        on_rejected=daemon.count_rejected,
-        on_unreachable=daemon.membership.mark_unreachable,
-        note_step=daemon.membership.note_step,
-        yield_s=lambda: daemon.reach.yield_to_outbound(settings.match_timeout),
-    )
-
-
 class NoLoCo(OuterAlgorithm):
     name = "noloco"
 
-    def __init__(self, worker: Worker) -> None:
-        cfg = worker.cfg
+    def __init__(self, trainer: Trainer) -> None:
+        cfg = trainer.cfg
         self.H = cfg.inner.steps
         self.alpha = cfg.noloco.alpha
         self.beta = cfg.noloco.beta
         self.gamma = cfg.noloco.gamma
         self.max_staleness = cfg.noloco.max_staleness
         self.send_ahead = cfg.noloco.send_ahead
-        self.phi = worker.layout.flatten(worker.model).detach().float().cpu().clone()
+        self.phi = trainer.layout.flatten(trainer.model).detach().float().cpu().clone()
         self.phi_ref = self.phi.clone()  # the seeded initial weights: the same on every peer
         self.momentum = torch.zeros_like(self.phi)
-        self.daemon = worker.daemon
-        self.pairing = pair_session(worker.daemon, self.phi.numel())
-        worker.daemon.pairing = self.pairing
+        self.swarm: Swarm = trainer.swarm
+        self.pairing = trainer.swarm.open_pairing(self.phi.numel())
         self._step_s = math.nan  # moving average of one inner step's duration
         self._last_tick: float | None = None
         self._ahead_step: int | None = None
 
     # -- the outer step ------------------------------------------------------------------------------------------
-    def after_inner_step(self, worker: Worker, t: int) -> bool:
+    def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
         self._time_inner_step(t)
         done = (t + 1) % self.H
         if done:
             eta = (self.H - done) * self._step_s if math.isfinite(self._step_s) else math.inf
-            self.pairing.progress(worker.outer_step, eta, self.H * self._step_s)
-            if self.send_ahead and self._ahead_step != worker.outer_step:
-                self._start_ahead(worker.outer_step)  # first phase, or after a resync/resume
-            return False
-        step = worker.outer_step
+            self.pairing.progress(trainer.outer_step, eta, self.H * self._step_s)
+            if self.send_ahead and self._ahead_step != trainer.outer_step:
+                self._start_ahead(trainer.outer_step)  # first phase, or after a resync/resume
+            return None
+        step = trainer.outer_step
         if self._must_resync(step):
-            worker.resync(self.daemon.swarm_step())
+            trainer.resync(self.swarm.swarm_step())
             self._last_tick = None
-            return True
-        theta = worker.layout.flatten(worker.model).detach().float().cpu()
+            return StepDone(trainer.outer_step)
+        theta = trainer.layout.flatten(trainer.model).detach().float().cpu()
         tensors = {"phi": self.phi - self.phi_ref, "pair": theta - self.phi}
         t0 = time.perf_counter()
-        outcome: PairOutcome = self.daemon.call(self.pairing.run_round(step, tensors))
-        worker.add_idle(time.perf_counter() - t0)
+        outcome = self.pairing.run_round(step, tensors)
+        trainer.add_idle(time.perf_counter() - t0)
         delta_mean = self.apply(outcome)
-        worker.layout.unflatten_into(self.phi, worker.model)
-        worker.outer_step = step + 1
-        worker.last_result = self._record(outcome, delta_mean)
-        last = worker.cfg.run.outer_steps
+        trainer.layout.unflatten_into(self.phi, trainer.model)
+        result = self._record(outcome, delta_mean)
+        last = trainer.cfg.run.outer_steps
         if self.send_ahead and not (last and step + 1 >= last):  # no partner to promise a step we will not take
             self._start_ahead(step + 1)
         self._last_tick = None
-        return True
+        return StepDone(step + 1, result)
 
     def apply(self, outcome: PairOutcome) -> torch.Tensor:
         """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta. Partners
@@ -197,12 +145,12 @@ class NoLoCo(OuterAlgorithm):
         me = self.pairing.my_id
         partners = {pid: c for pid, c in outcome.contributions.items() if pid != me}
         if partners:
-            for pid, why in self.daemon.guard.screen_partners(outcome.contributions[me], partners).items():
+            for pid, why in self.swarm.screen_partners(outcome.contributions[me], partners).items():
                 log.warning("outer step %d: refused %s's tensors: %s", outcome.step, pid[:8], why)
                 del outcome.contributions[pid]
                 outcome.lost.append(pid)
                 outcome.note += f"; refused {pid[:8]} (too large)"
-                self.daemon.invalid_contribution(pid, "too_large")
+                self.swarm.invalid_contribution(pid, "too_large")
         return noloco_update(
             self.phi,
             self.momentum,
@@ -225,7 +173,7 @@ class NoLoCo(OuterAlgorithm):
 
     def _must_resync(self, step: int) -> bool:
         """True when every live peer is more than max_staleness steps ahead: nobody can pair with us any more."""
-        steps = self.daemon.call(_live_steps(self.daemon))
+        steps = self.swarm.peer_steps()
         if not steps or max(steps) <= step or any(abs(s - step) <= self.max_staleness for s in steps):
             return False
         log.warning(
@@ -236,12 +184,10 @@ class NoLoCo(OuterAlgorithm):
     def _start_ahead(self, step: int) -> None:
         self._ahead_step = step
         phi = self.phi - self.phi_ref  # a fresh tensor: the stream reads it while we train
-        assert self.daemon.loop is not None
-        asyncio.run_coroutine_threadsafe(self.pairing.start_ahead(step, phi), self.daemon.loop)
+        self.pairing.start_ahead(step, phi)
 
     def _record(self, outcome: PairOutcome, delta_mean: torch.Tensor) -> RoundResult:
         """Status, logs and metrics for one outer step; `included`/`note` name the partner(s)."""
-        d = self.daemon
         group = pb.Group(
             round_id=outcome.round_id,
             step=outcome.step,
@@ -251,14 +197,13 @@ class NoLoCo(OuterAlgorithm):
             leader=outcome.members[0].peer_id,
         )
         result = RoundResult(delta_mean, group, outcome.included, outcome.stats)
-        d.record_round(group, result, -1, note=outcome.note, rendezvous_s=outcome.match_seconds)
+        self.swarm.record_round(group, result, -1, note=outcome.note, rendezvous_s=outcome.match_seconds)
         if outcome.solo:
-            d.status.solo_steps += 1
+            self.swarm.count_solo_step()
             log.info("outer step %d: no partner within %.1fs; stepped alone", outcome.step, outcome.match_seconds)
         elif outcome.lost:
             log.warning("outer step %d: %s; stepped without the lost contribution", outcome.step, outcome.note)
-            if d.metrics is not None:
-                d.metrics.record_failure("peer_lost")
+            self.swarm.count_failure("peer_lost")
         else:
             log.info("outer step %d: averaged with %s", outcome.step, outcome.note)
         return result
@@ -267,13 +212,11 @@ class NoLoCo(OuterAlgorithm):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"params": self.phi.clone(), "outer_momentum": self.momentum.clone()}
 
-    def load_state_tensors(self, worker: Worker, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
         self.phi = tensors["params"].float().clone()
         self.momentum = tensors["outer_momentum"].float().clone()
-        worker.layout.unflatten_into(self.phi, worker.model)
+        trainer.layout.unflatten_into(self.phi, trainer.model)
         self._ahead_step = None
 
     def close(self) -> None:
-        loop = self.daemon.loop
-        if loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.pairing.close(), loop).result(10)
+        self.pairing.close()

@@ -9,7 +9,7 @@ paper's choice; the daemon accumulates the average in fp32). Any codec works; fp
 
 Schedule. ``s`` counts inner steps completed in the swarm's timeline. Fragment p syncs when
 (s - t_p) % H == 0, offsets t_p = p*H//P; that round is numbered ``step = (s - t_p) // H`` and
-``worker.outer_step = s // H`` (full cycles), so the rendezvous leader expects the peers whose gossiped outer
+the outer step is ``s // H`` (full cycles), so the rendezvous leader expects the peers whose gossiped outer
 step is step-1 or step. One outer step (evaluate, publish, checkpoint) happens per cycle, at s % H == 0.
 
 Update. When fragment p's averaged pseudo-gradient lands, ``global_p <- NesterovOuter(key=p).step(global_p,
@@ -26,7 +26,7 @@ Keeping every peer's global copy bit-identical:
   that downloads it is consistent. With tau <= H - t_{P-1} (about H/P) and exchanges that finish within tau
   steps this never waits.
 * ``late_policy = "wait"``: at s_start + tau the trainer blocks until the round lands (measured with
-  `worker.add_idle`). ``"skip"``: it does not block; the *local merge* is deferred and done at the first
+  `Trainer.add_idle`). ``"skip"``: it does not block; the *local merge* is deferred and done at the first
   inner step after the round lands (counted in ``merges_skipped``). Deferred rather than dropped, so that on
   a persistently slow link local fragments are still pulled towards the global ones.
 * A peer left out of a round (`Behind`), one that resumed or downloaded state (it cannot take part in the
@@ -42,7 +42,6 @@ no earlier than 2 s after it started (the round itself runs normally): a slow li
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import logging
@@ -59,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from peerd.algorithm import OuterAlgorithm
+from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
 from peerd.statesync import tensor_bytes
@@ -68,7 +67,7 @@ from trainer.fragments import due_fragments, fragment_offsets, split_fragments
 from trainer.outer import NesterovOuter, OuterError, pseudo_gradient, streaming_merge
 
 if TYPE_CHECKING:
-    from peerd.worker import Worker
+    from peerd.swarm import Swarm
 
 log = logging.getLogger("peerd")
 
@@ -271,8 +270,8 @@ class _Exchange:
 class StreamingDiLoCo(OuterAlgorithm):
     name = "streaming"
 
-    def __init__(self, worker: Worker) -> None:
-        cfg = worker.cfg
+    def __init__(self, trainer: Trainer) -> None:
+        cfg = trainer.cfg
         sc = cfg.streaming
         if sc.late_policy not in ("wait", "skip"):
             raise StreamingError(f"streaming.late_policy must be 'wait' or 'skip', got {sc.late_policy!r}")
@@ -280,16 +279,17 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.alpha = float(sc.alpha)
         self.late_policy = sc.late_policy
         self.target = cfg.run.outer_steps
-        fragments = split_fragments(worker.model, sc.fragments, sc.mode)  # type: ignore[arg-type]
+        fragments = split_fragments(trainer.model, sc.fragments, sc.mode)  # type: ignore[arg-type]
         self.schedule = Schedule.make(len(fragments), self.H, sc.tau)
-        flat = worker.layout.flatten(worker.model).detach().to("cpu", torch.float32).clone()
+        flat = trainer.layout.flatten(trainer.model).detach().to("cpu", torch.float32).clone()
         outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
-        self.state = FragmentState(worker.layout, fragments, flat, outer)
-        self.params: dict[str, nn.Parameter] = dict(worker.model.named_parameters())
+        self.state = FragmentState(trainer.layout, fragments, flat, outer)
+        self.params: dict[str, nn.Parameter] = dict(trainer.model.named_parameters())
         self.fault_delay = fault_delay_from_env()
         self.resync_timeout = cfg.network.rendezvous_timeout + 10.0
         self.stats = StreamingStats()
-        self.stats_path = Path(worker.data_dir) / STATS_FILE
+        self.stats_path = Path(trainer.data_dir) / STATS_FILE
+        self.last_result: Any = None  # the newest round applied, reported with the cycle's outer step
         self.pending: dict[int, _Exchange] = {}
         self.s = 0  # inner steps completed, in the swarm's timeline
         self.needs_resync = False
@@ -317,20 +317,20 @@ class StreamingDiLoCo(OuterAlgorithm):
             pos += k
 
     # -- the hook the worker calls ---------------------------------------------------------------------------
-    def after_inner_step(self, worker: Worker, t: int) -> bool:
+    def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
         if self._reloaded:
-            self._reposition(worker)
+            self._reposition(trainer)
         self.s += 1
         s = self.s
         for ex in list(self.pending.values()):  # results that already landed: apply their global update now
             if not ex.resolved and ex.landed():
-                self._resolve(worker, ex)
+                self._resolve(ex)
             if ex.resolved and ex.merge_pending and ex.late:
                 self._merge(ex)
         for ex in [e for e in self.pending.values() if e.merge_pending and e.merge_at == s]:
             if not ex.resolved:
                 if self.late_policy == "wait":
-                    self._block(worker, ex, "merge")
+                    self._block(trainer, ex, "merge")
                 else:
                     ex.late = True
                     self.stats.merges_skipped += 1
@@ -338,44 +338,45 @@ class StreamingDiLoCo(OuterAlgorithm):
                 self._merge(ex)
         boundary = self.schedule.is_boundary(s)
         if boundary:
-            self._finish_cycle(worker, s)
+            self._finish_cycle(trainer, s)
         self._forget_done()
-        final = boundary and self.target > 0 and worker.outer_step >= self.target
+        step = self.s // self.H  # the cycle we are in (a state download at the boundary may have moved it)
+        final = boundary and self.target > 0 and step >= self.target
         if not final:  # the last cycle starts no exchange: nobody would apply it
-            self._start_due(worker, self.s)
-        return boundary
+            self._start_due(trainer, self.s)
+        return StepDone(step, self.last_result, published=True) if boundary else None
 
-    def _finish_cycle(self, worker: Worker, s: int) -> None:
+    def _finish_cycle(self, trainer: Trainer, s: int) -> None:
         """Quiesce before the worker publishes and checkpoints: resolve every exchange started before s."""
         for ex in list(self.pending.values()):
             if not ex.resolved:
-                self._block(worker, ex, "boundary")
+                self._block(trainer, ex, "boundary")
             if ex.merge_pending and (ex.late or ex.merge_at <= s):
                 self._merge(ex)
-        worker.outer_step = s // self.H
+        step = s // self.H
         missed = self.needs_resync  # left out of rounds (behind, or state reloaded): the swarm's state will differ
         # Publish the quiesced state first, so the split-brain rule compares the claim of the state we now hold
         # (peerd/consistency.py): a swarm ahead of us, or a diverged half with more work, makes us download.
-        worker.publish()
-        best = worker.daemon.canonical()
+        trainer.publish(step)
+        best = trainer.swarm.canonical()
         if best is not None:
             log.warning(
                 "peer %s holds outer step %d with %d peer-rounds of work, we hold step %d with %d: downloading state",
                 best.peer_id[:8],
                 best.step,
                 best.work,
-                worker.outer_step,
+                step,
                 self.work,
             )
             self.needs_resync = True
-        fork = best is not None and best.step <= worker.outer_step
+        fork = best is not None and best.step <= step
         if fork:
             self.stats.digest_mismatches += 1
         if self.needs_resync:
-            self._resync(worker, fork=fork, wait=missed and best is None)
+            self._resync(trainer, fork=fork, wait=missed and best is None)
         log.info(
             "streaming cycle %d: %d syncs, %d applied, merges %d on time/%d skipped, %.2fs idle, %d resyncs",
-            worker.outer_step,
+            self.s // self.H,
             self.stats.syncs_started,
             self.stats.rounds_applied,
             self.stats.merges_on_time,
@@ -384,15 +385,15 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.stats.resyncs,
         )
 
-    def _start_due(self, worker: Worker, s: int) -> None:
+    def _start_due(self, trainer: Trainer, s: int) -> None:
         for p in self.schedule.due(s):
             if p in self.pending:  # the boundary rule prevents this: never overlap a fragment with itself
                 raise RuntimeError(f"fragment {p} is still in flight when its next sync is due")
             pseudo = self.state.pseudo_gradient(p, self._local(p))
             step = self.schedule.round_step(s, p)
             record = SyncRecord(fragment=p, step=step, s=s, t_start=time.time())
-            future = worker.daemon.allreduce_async(step, pseudo, fragment=p)
-            future.add_done_callback(lambda f, step=step: self._note_members(worker.daemon, step, f))
+            future = trainer.swarm.allreduce_async(step, pseudo, fragment=p)
+            future.add_done_callback(lambda f, step=step: self._note_members(trainer.swarm, step, f))
 
             ready_at = time.monotonic() + self.fault_delay
             self.pending[p] = _Exchange(record, self.schedule.merge_at(s), future, ready_at)
@@ -400,35 +401,28 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.stats.syncs.append(record)
 
     @staticmethod
-    def _note_members(daemon: Any, step: int, future: concurrent.futures.Future) -> None:
-        """Everyone in fragment round `step` has reached outer step `step`: note it in the membership table
-        at once instead of waiting for gossip, so the next fragment's leader expects them (when cycles are
-        shorter than the gossip interval, stale gossip would leave them out). DiLoCo's rounds do the same."""
-        if future.cancelled() or future.exception() is not None or daemon.loop is None:
+    def _note_members(swarm: Swarm, step: int, future: concurrent.futures.Future) -> None:
+        """Everyone in fragment round `step` has reached outer step `step`: note it at once instead of waiting for
+        gossip, so the next fragment's leader expects them (when cycles are shorter than the gossip interval, stale
+        gossip would leave them out). DiLoCo's rounds do the same."""
+        if future.cancelled() or future.exception() is not None:
             return
-        included = list(future.result().included)
+        swarm.note_members(step, list(future.result().included))
 
-        def note() -> None:
-            for pid in included:
-                daemon.membership.note_step(pid, step)
-
-        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody needs the note
-            daemon.loop.call_soon_threadsafe(note)
-
-    def _block(self, worker: Worker, ex: _Exchange, why: str) -> None:
+    def _block(self, trainer: Trainer, ex: _Exchange, why: str) -> None:
         """Wait for an exchange the schedule cannot go on without; the wait is compute-idle time."""
         t0 = time.perf_counter()
         ex.wait()
         waited = time.perf_counter() - t0
-        worker.add_idle(waited)
+        trainer.add_idle(waited)
         self.stats.wait_seconds += waited
         if why == "merge":
             self.stats.merge_waits += 1
         else:
             self.stats.boundary_waits += 1
-        self._resolve(worker, ex)
+        self._resolve(ex)
 
-    def _resolve(self, worker: Worker | None, ex: _Exchange) -> None:
+    def _resolve(self, ex: _Exchange) -> None:
         """Apply a finished round's global update (identical on every peer of the round), or note why not."""
         ex.resolved = True
         rec = ex.record
@@ -461,8 +455,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         rec.wire_bytes, rec.received_wire_bytes = st.wire_bytes, st.received_wire_bytes
         rec.seconds = st.seconds
         self.stats.rounds_applied += 1
-        if worker is not None:
-            worker.last_result = result
+        self.last_result = result
 
     def _merge(self, ex: _Exchange) -> None:
         """local_p <- alpha*local_p + (1-alpha)*global_p, where global_p already holds this round's update."""
@@ -480,24 +473,23 @@ class StreamingDiLoCo(OuterAlgorithm):
             del self.pending[p]
 
     # -- staying consistent with the swarm -------------------------------------------------------------------
-    def _resync(self, worker: Worker, fork: bool = False, wait: bool = False) -> None:
+    def _resync(self, trainer: Trainer, fork: bool = False, wait: bool = False) -> None:
         """Download the swarm's state (published at a cycle boundary, so quiescent) and go on from there.
 
-        Like `Worker.resync`, but with a deadline of about one rendezvous: the peers whose state outranks ours
+        Like `Trainer.resync`, but with a deadline of about one rendezvous: the peers whose state outranks ours
         publish it at their own boundary, so if nobody serves it by then they have left or moved on, and we
         train on and try again at the next boundary instead of blocking for minutes. `wait`: we know we missed
         rounds, so the swarm's state at this boundary will outrank ours once its peers publish it: wait for it.
         """
-        daemon = worker.daemon
-        if not wait and daemon.canonical() is None:
+        if not wait and trainer.swarm.canonical() is None:
             log.info("no live peer holds a better state than ours: going on with our own")
             self.needs_resync = False
             return
-        numel = worker.layout.numel
-        daemon.status.state = "syncing"
+        numel = trainer.layout.numel
+        trainer.set_state("syncing")
         t0 = time.perf_counter()
         try:
-            snap = daemon.fetch_state(
+            snap = trainer.swarm.fetch_state(
                 -1,
                 {"params": (numel,), "outer_momentum": (numel,)},
                 timeout=self.resync_timeout,
@@ -505,7 +497,7 @@ class StreamingDiLoCo(OuterAlgorithm):
                 base=self.state_tensors(),
                 parts=self.part_ranges(),
             )
-            worker.adopt(snap, "fork" if fork else "behind")
+            trainer.adopt(snap, "fork" if fork else "behind")
         except (RoundFailed, ValueError) as exc:
             # Nobody served the better state: the swarm is not ahead of us after all (a whole swarm restarted from
             # checkpoints, say). The digest check flags us again if we really differ.
@@ -513,17 +505,17 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.needs_resync = False
             return
         finally:
-            worker.add_idle(time.perf_counter() - t0)
-            daemon.status.state = "training"
+            trainer.add_idle(time.perf_counter() - t0)
+            trainer.set_state("training")
         self._reloaded = False
         self.needs_resync = False
         self.s = snap.step * self.H
         self.stats.resyncs += 1
         # Publish before the rounds due at this boundary start: they are grouped by the digest we publish (the
         # lineage), and the old one would put us in a group of our own.
-        worker.publish()
+        trainer.publish()
 
-    def _reposition(self, worker: Worker) -> None:
+    def _reposition(self, trainer: Trainer) -> None:
         """The state was replaced at cycle boundary k (checkpoint resume, joiner download): go on from there.
 
         The swarm started the rounds due at that boundary when it published the state, so we cannot take
@@ -532,7 +524,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         the state again at the next boundary, where the swarm expects us because we now gossip step k.
         """
         self._reloaded = False
-        self.s = worker.outer_step * self.H
+        self.s = trainer.outer_step * self.H
         if self.s > 0 and self.schedule.due(self.s):
             self.needs_resync = True
 
@@ -543,7 +535,7 @@ class StreamingDiLoCo(OuterAlgorithm):
     def state_tensors(self) -> dict[str, Tensor]:
         return {"params": self.state.global_params.clone(), "outer_momentum": self.state.momentum_flat()}
 
-    def load_state_tensors(self, worker: Worker, tensors: dict[str, Tensor]) -> None:
+    def load_state_tensors(self, trainer: Trainer, tensors: dict[str, Tensor]) -> None:
         missing = {"params", "outer_momentum"} - set(tensors)
         if missing:
             raise StreamingError(f"state is missing {sorted(missing)}")
@@ -551,7 +543,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         for ex in self.pending.values():  # rounds of the state we drop: their results no longer apply
             ex.record.outcome = "dropped"
         self.pending.clear()
-        worker.layout.unflatten_into(self.state.global_params, worker.model)
+        trainer.layout.unflatten_into(self.state.global_params, trainer.model)
         self._reloaded = True
 
     def close(self) -> None:
@@ -563,7 +555,7 @@ class StreamingDiLoCo(OuterAlgorithm):
                 continue
             done, _ = concurrent.futures.wait([ex.future], timeout=max(deadline - time.monotonic(), 0.0))
             if done:
-                self._resolve(None, ex)
+                self._resolve(ex)
             else:
                 ex.record.outcome = "dropped"
         self.pending.clear()

@@ -20,11 +20,16 @@ from typing import Any
 import torch
 
 from peerd import faults
-from peerd.algorithm import OuterAlgorithm
+from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
+from peerd.ddp import DataParallel
+from peerd.diloco import DiLoCo
+from peerd.noloco import NoLoCo
 from peerd.statesync import StateSnapshot
+from peerd.streaming import StreamingDiLoCo
+from peerd.swarm import DaemonSwarm
 from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
@@ -72,28 +77,25 @@ def model_seq_len(model: torch.nn.Module, cfg: RunConfig) -> int:
     return int(getattr(config, "seq_len", 0) or cfg.model.seq_len or 64)
 
 
-def make_algorithm(worker: Worker) -> OuterAlgorithm:
-    name = worker.cfg.run.algorithm
-    if name == "diloco":
-        from peerd.diloco import DiLoCo
+ALGORITHMS: dict[str, Callable[[Trainer], OuterAlgorithm]] = {
+    "diloco": DiLoCo,
+    "streaming": StreamingDiLoCo,
+    "noloco": NoLoCo,
+    "ddp": DataParallel,
+}
 
-        return DiLoCo(worker)
-    if name == "noloco":
-        from peerd.noloco import NoLoCo
 
-        return NoLoCo(worker)
-    if name == "streaming":
-        from peerd.streaming import StreamingDiLoCo
-
-        return StreamingDiLoCo(worker)
-    if name == "ddp":
-        from peerd.ddp import DataParallel
-
-        return DataParallel(worker)
-    raise ValueError(f"unknown algorithm {name!r}")
+def make_algorithm(trainer: Trainer) -> OuterAlgorithm:
+    name = trainer.cfg.run.algorithm
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}")
+    return ALGORITHMS[name](trainer)
 
 
 class Worker:
+    """The local trainer (algorithm.Trainer): owns model, data, inner optimizer, checkpoints and status; reaches the
+    swarm only through its `swarm` port."""
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -106,6 +108,7 @@ class Worker:
     ) -> None:
         self.cfg = cfg
         self.daemon = daemon
+        self.swarm = DaemonSwarm(daemon)
         self.data_dir = Path(data_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.on_outer_step = on_outer_step
@@ -133,7 +136,6 @@ class Worker:
         self.inner_step = 0
         self.outer_step = 0
         self.saved_step: int | None = None  # outer step of the checkpoint on disk (None: none written or loaded)
-        self.last_result: Any = None
         self.losses: list[float] = []  # inner losses since the last outer step
         self.history: list[dict[str, float]] = []
         self.algorithm = make_algorithm(self)
@@ -141,6 +143,9 @@ class Worker:
         self.step_delay = faults.step_delay()
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
+    def set_state(self, state: str) -> None:
+        self.daemon.status.state = state
+
     def add_idle(self, seconds: float) -> None:
         """Time the trainer spent blocked on communication."""
         self.daemon.status.compute_idle_seconds += seconds
@@ -161,10 +166,10 @@ class Worker:
         t0 = time.perf_counter()
         shapes = {k: tuple(v.shape) for k, v in self.algorithm.state_tensors().items()}
         try:
-            if self.ranked and self.daemon.canonical(min_step) is None:
+            if self.ranked and self.swarm.canonical(min_step) is None:
                 log.info("no live peer holds a better state than ours (step %d): keeping it", self.outer_step)
                 return False
-            snap = self.daemon.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout, better=self.ranked)
+            snap = self.swarm.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout, better=self.ranked)
         except RoundFailed as exc:
             log.warning("could not download state (%s); continuing from our own state at step %d", exc, self.outer_step)
             self.daemon.count_failure("state_download")
@@ -190,7 +195,7 @@ class Worker:
         Returns True when our state changed."""
         if not self.ranked:
             return False
-        best = self.daemon.canonical()
+        best = self.swarm.canonical()
         if best is None:
             return False
         forked = best.step <= self.outer_step
@@ -215,7 +220,7 @@ class Worker:
             if self.heal():
                 return
         else:
-            ahead = self.daemon.swarm_step()
+            ahead = self.swarm.swarm_step()
             if ahead > self.outer_step:
                 log.info("swarm is at outer step %d, we are at %d: downloading state", ahead, self.outer_step)
                 if self.resync(ahead, why="start"):
@@ -268,8 +273,10 @@ class Worker:
                     break
                 continue
             self.train_one_inner_step()
-            if self.algorithm.after_inner_step(self, self.inner_step - 1):
-                self.finish_outer_step()
+            done = self.algorithm.after_inner_step(self, self.inner_step - 1)
+            if done is not None:
+                self.advance(done)
+                self.finish_outer_step(publish=not done.published)
         self.daemon.status.finished = target > 0 and self.outer_step >= target
         self.algorithm.close()
         self.save()
@@ -286,7 +293,9 @@ class Worker:
             _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        self.algorithm.before_optimizer_step(self)
+        done = self.algorithm.before_optimizer_step(self)
+        if done is not None:  # the DDP baseline completes a step per inner step
+            self.advance(done)
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.opt.step()
@@ -323,7 +332,12 @@ class Worker:
             total += float(loss)
         return total / max(len(batches), 1)
 
-    def finish_outer_step(self) -> None:
+    def advance(self, done: StepDone) -> None:
+        """Move to the outer step an algorithm completed."""
+        self.outer_step = done.step
+        self.daemon.status.outer_step = done.step
+
+    def finish_outer_step(self, publish: bool = True) -> None:
         st = self.daemon.status
         train_loss = sum(self.losses) / len(self.losses) if self.losses else math.nan
         self.losses = []
@@ -343,17 +357,17 @@ class Worker:
             m.train_loss.set(train_loss)
             m.eval_loss.set(st.eval_loss)
             m.outer_step.set(self.outer_step)
-        self.publish()
+        if publish:
+            self.publish()
         if self.cfg.checkpoint.every > 0 and self.outer_step % self.cfg.checkpoint.every == 0:
             self.save()
         if self.on_outer_step is not None:
             self.on_outer_step(self)
 
-    def publish(self, finished: bool = False) -> None:
+    def publish(self, step: int | None = None, finished: bool = False) -> None:
+        step = self.outer_step if step is None else step
         self.daemon.publish(
-            StateSnapshot(
-                self.outer_step, self.algorithm.state_tensors(), self.algorithm.work, self.algorithm.part_ranges()
-            ),
+            StateSnapshot(step, self.algorithm.state_tensors(), self.algorithm.work, self.algorithm.part_ranges()),
             finished,
         )
 

@@ -226,9 +226,12 @@ def test_round_lands_and_merges_tau_steps_later(solo: Worker) -> None:
         expected_local = 0.5 * local_before_merge + 0.5 * expected_global
         torch.testing.assert_close(merged, expected_local, rtol=0, atol=1e-6)
     assert algo.stats.merges_on_time == 1 and algo.stats.rounds_applied == 1
-    assert boundaries == [False] * 5
+    assert boundaries == [None] * 5
     worker.train_one_inner_step()  # s = 6: a cycle boundary; fragment 0 starts
-    assert algo.after_inner_step(worker, worker.inner_step - 1) is True
+    done = algo.after_inner_step(worker, worker.inner_step - 1)
+    # the algorithm reports the step (it published the boundary's state itself); the worker moves to it
+    assert done is not None and done.step == 1 and done.published and worker.outer_step == 0
+    worker.advance(done)
     assert worker.outer_step == 1 and list(algo.pending) == [0]
     assert algo.pending[0].record.step == 1 and algo.stats.syncs[0].step == 0  # round numbers as specified
 

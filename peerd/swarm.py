@@ -1,0 +1,237 @@
+"""The swarm as an outer algorithm sees it: the one port through which DiLoCo, Streaming DiLoCo, NoLoCo and the DDP
+baseline reach the network (torchft's Manager seam, narrowed to what these algorithms need).
+
+An algorithm asks the swarm to average a vector (`allreduce`, or `allreduce_async` to overlap it with compute), for
+the canonical state and a download of it, for its random NoLoCo partners (`open_pairing`), and it reports what it
+did with a round (`record_round`, `count_solo_step`). It never sees the membership table, the event loop, channels,
+bans or metrics. `DaemonSwarm` implements the port on a running daemon; tests implement it in memory
+(tests/fakeswarm.py) to drive an algorithm step by step without processes.
+
+Every method is blocking (or returns a concurrent future) and is called from the training thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from peerd.allreduce import RoundResult
+from peerd.consistency import Claim
+from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
+from peerd.relay import RelayTransport, pair_targets
+from peerd.statesync import StateSnapshot
+from peerd.v1 import peerd_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+
+class PairPort(Protocol):
+    """NoLoCo's random-partner exchange (peerd/pairing.py), as the algorithm drives it."""
+
+    my_id: str
+
+    def run_round(self, step: int, tensors: Mapping[str, torch.Tensor]) -> PairOutcome:
+        """Find a partner for `step` (or give up after the match timeout) and swap tensors; blocking."""
+
+    def start_ahead(self, step: int, phi: torch.Tensor) -> None:
+        """Send-ahead: pair now and stream `phi` while we train; returns at once."""
+
+    def progress(self, step: int, eta_s: float, phase_s: float) -> None:
+        """Tell matchmaking when we expect to reach the boundary of `step` (it accepts partners due about then)."""
+
+    def close(self) -> None: ...
+
+
+class Swarm(Protocol):
+    """What an outer algorithm may ask of the swarm."""
+
+    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
+        """Average `vector` with the peers ready for `step` (and `fragment`). Raises rendezvous.Behind when the swarm
+        is past `step`, allreduce.RoundFailed when the round could not complete."""
+
+    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+        """`allreduce` without waiting; `vector` must not change until the future is done."""
+
+    def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
+        """These peers finished `step` with us: the next round expects them without waiting for gossip."""
+
+    def canonical(self, min_step: int = -1) -> Claim | None:
+        """The live peers' best state claim when it outranks ours (peerd/consistency.py), else None."""
+
+    def swarm_step(self) -> int:
+        """The newest outer step any live peer announced (-1: none)."""
+
+    def peer_steps(self) -> list[int]:
+        """The outer step every other live peer announced."""
+
+    def fetch_state(
+        self,
+        min_step: int,
+        expected: dict[str, tuple[int, ...]],
+        timeout: float = 120.0,
+        better: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+        parts: list[list[tuple[int, int]]] | None = None,
+    ) -> StateSnapshot:
+        """Download the canonical state (peerd/statefetch.py); raises RoundFailed when nobody serves it."""
+
+    def open_pairing(self, numel: int) -> PairPort:
+        """NoLoCo: this peer's matchmaking and exchange endpoint for flat tensors of `numel` values."""
+
+    def record_round(
+        self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
+    ) -> None:
+        """Status, logs and metrics for a round the algorithm ran itself (NoLoCo's pairs)."""
+
+    def count_solo_step(self) -> None: ...
+
+    def count_failure(self, reason: str) -> None: ...
+
+    def screen_partners(
+        self, mine: Mapping[str, torch.Tensor], partners: Mapping[str, Mapping[str, torch.Tensor]]
+    ) -> dict[str, str]:
+        """Partners whose tensors are out of bounds next to ours, with the reason (peerd/robust.py)."""
+
+    def invalid_contribution(self, peer_id: str, reason: str) -> None:
+        """`peer_id` sent data we refused: counted towards its ban."""
+
+
+class _DaemonPairing:
+    """PairPort on the daemon: the Pairing engine runs on the daemon loop; the service routes Match and Exchange
+    calls to it."""
+
+    def __init__(self, daemon: Daemon, engine: Pairing) -> None:
+        self.daemon = daemon
+        self.engine = engine
+        self.my_id = engine.my_id
+
+    def run_round(self, step: int, tensors: Mapping[str, torch.Tensor]) -> PairOutcome:
+        return self.daemon.call(self.engine.run_round(step, tensors))
+
+    def start_ahead(self, step: int, phi: torch.Tensor) -> None:
+        assert self.daemon.loop is not None
+        asyncio.run_coroutine_threadsafe(self.engine.start_ahead(step, phi), self.daemon.loop)
+
+    def progress(self, step: int, eta_s: float, phase_s: float) -> None:
+        self.engine.progress(step, eta_s, phase_s)
+
+    def close(self) -> None:
+        loop = self.daemon.loop
+        if loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.engine.close(), loop).result(10)
+
+
+def _with_known_steps(daemon: Daemon) -> list[pb.PeerInfo]:
+    """Live peers (copies) with the newest step we know each finished: gossip, or an exchange it had with us."""
+    out = []
+    for p in daemon.membership.alive(include_self=False):
+        q = pb.PeerInfo()
+        q.CopyFrom(p)
+        q.outer_step = daemon.membership.step_of(p)
+        out.append(q)
+    return out
+
+
+def pair_session(daemon: Daemon, numel: int) -> Pairing:
+    """The NoLoCo pairing engine for this daemon, configured from its run config."""
+    cfg = daemon.cfg
+    settings = PairSettings(
+        group_size=cfg.noloco.group_size,
+        max_staleness=cfg.noloco.max_staleness,
+        match_timeout=cfg.network.match_timeout,
+        exchange_timeout=cfg.network.round_timeout,
+        chunk_bytes=cfg.network.chunk_bytes,
+        send_ahead=cfg.noloco.send_ahead,
+    )
+    return Pairing(
+        identity=daemon.identity,
+        run_id=daemon.run_id,
+        verifier=daemon.verifier,
+        codec=daemon.codec,
+        executor=daemon.executor,
+        numel=numel,
+        settings=settings,
+        transport=RelayTransport(daemon, GrpcTransport(lambda: daemon.channels)),
+        # Proposers dial their targets: an outbound-only peer is proposed to only through its relay (peerd/relay.py)
+        candidates=lambda: pair_targets(daemon, _with_known_steps(daemon)),
+        lookup=daemon.membership.get,
+        me=lambda: daemon.me,
+        on_rejected=daemon.count_rejected,
+        on_unreachable=daemon.membership.mark_unreachable,
+        note_step=daemon.membership.note_step,
+        yield_s=lambda: daemon.reach.yield_to_outbound(settings.match_timeout),
+    )
+
+
+class DaemonSwarm:
+    """The port on a running daemon: each call goes to the daemon's loop, which owns the table and the network."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
+        return self.daemon.allreduce(step, vector, fragment, want_decoded)
+
+    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+        return self.daemon.allreduce_async(step, vector, fragment)
+
+    def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
+        loop = self.daemon.loop
+        if loop is None:
+            return
+        ids = list(peer_ids)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody needs the note
+            loop.call_soon_threadsafe(self.daemon.membership.note_round, step, ids)
+
+    def canonical(self, min_step: int = -1) -> Claim | None:
+        return self.daemon.canonical(min_step)
+
+    def swarm_step(self) -> int:
+        return self.daemon.swarm_step()
+
+    def peer_steps(self) -> list[int]:
+        async def steps() -> list[int]:
+            return [p.outer_step for p in self.daemon.membership.alive(include_self=False)]
+
+        return self.daemon.call(steps(), timeout=10.0)
+
+    def fetch_state(
+        self,
+        min_step: int,
+        expected: dict[str, tuple[int, ...]],
+        timeout: float = 120.0,
+        better: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
+        parts: list[list[tuple[int, int]]] | None = None,
+    ) -> StateSnapshot:
+        return self.daemon.fetch_state(min_step, expected, timeout, better, base, parts)
+
+    def open_pairing(self, numel: int) -> PairPort:
+        engine = pair_session(self.daemon, numel)
+        self.daemon.pairing = engine
+        return _DaemonPairing(self.daemon, engine)
+
+    def record_round(
+        self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
+    ) -> None:
+        self.daemon.record_round(group, result, fragment, note=note, rendezvous_s=rendezvous_s)
+
+    def count_solo_step(self) -> None:
+        self.daemon.status.solo_steps += 1
+
+    def count_failure(self, reason: str) -> None:
+        self.daemon.count_failure(reason)
+
+    def screen_partners(
+        self, mine: Mapping[str, torch.Tensor], partners: Mapping[str, Mapping[str, torch.Tensor]]
+    ) -> dict[str, str]:
+        return self.daemon.guard.screen_partners(mine, partners)
+
+    def invalid_contribution(self, peer_id: str, reason: str) -> None:
+        self.daemon.invalid_contribution(peer_id, reason)
