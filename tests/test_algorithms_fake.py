@@ -1,0 +1,162 @@
+"""Outer algorithms against the in-memory ports (tests/fakeswarm.py): each step's arithmetic, failure and catch-up
+paths checked by hand, in milliseconds. The same algorithms run in real swarms in test_swarm_diloco.py,
+test_streaming.py and test_noloco.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerd.algorithm import StepDone
+from peerd.config import RunConfig
+from peerd.consistency import Claim
+from peerd.diloco import DiLoCo
+from peerd.noloco import NoLoCo, noloco_update
+from peerd.statesync import StateSnapshot
+from peerd.streaming import StreamingDiLoCo
+from tests.fakeswarm import ME, FakeSwarm, FakeTrainer
+
+LR, MU = 0.7, 0.9
+
+
+def config(algorithm: str, **sections: dict) -> RunConfig:
+    raw: dict = {
+        "run": {"algorithm": algorithm, "outer_steps": 0},
+        "inner": {"steps": 3},
+        "outer": {"lr": LR, "momentum": MU},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return RunConfig.from_dict(raw)
+
+
+def setup(tmp_path: Path, algorithm: str, swarm: FakeSwarm, **sections: dict) -> FakeTrainer:
+    trainer = FakeTrainer(config(algorithm, **sections), swarm, tmp_path)
+    cls = {"diloco": DiLoCo, "noloco": NoLoCo, "streaming": StreamingDiLoCo}[algorithm]
+    trainer.algorithm = cls(trainer)
+    return trainer
+
+
+def flat(trainer: FakeTrainer) -> torch.Tensor:
+    return trainer.layout.flatten(trainer.model).detach().clone()
+
+
+def nesterov_once(g: torch.Tensor, avg: torch.Tensor) -> torch.Tensor:
+    """The first outer step from zero momentum: v = avg; g - lr * (avg + mu * v)."""
+    return g - LR * (avg + MU * avg)
+
+
+# -- DiLoCo ---------------------------------------------------------------------------------------------------------
+def test_diloco_averages_pseudo_gradients_and_reports_the_step(tmp_path: Path) -> None:
+    swarm = FakeSwarm(others=lambda step, fragment, v: [torch.zeros_like(v)])  # one other peer that did not move
+    trainer = setup(tmp_path, "diloco", swarm)
+    g0 = flat(trainer)
+    assert [trainer.inner_step() for _ in range(2)] == [None, None]
+    done = trainer.inner_step()  # H = 3: the outer step
+    assert isinstance(done, StepDone) and done.step == 1 and not done.published
+    assert done.result.included == [ME, "p1"] and swarm.calls == [(0, -1)]
+    pseudo = torch.full_like(g0, -0.03)  # global - local after three steps of +0.01
+    want = nesterov_once(g0, pseudo / 2)
+    assert torch.allclose(trainer.algorithm.global_params, want, atol=1e-6)
+    assert torch.allclose(flat(trainer), want, atol=1e-6)  # local params reset to the new global ones
+    assert trainer.algorithm.work == 2 and trainer.outer_step == 1
+
+
+def test_diloco_failed_round_changes_nothing_and_retries_with_more_progress(tmp_path: Path) -> None:
+    swarm = FakeSwarm(fail={(0, -1)})
+    trainer = setup(tmp_path, "diloco", swarm)
+    g0 = flat(trainer)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3
+    assert torch.equal(trainer.algorithm.global_params, g0) and trainer.algorithm.work == 0
+    assert torch.allclose(flat(trainer), g0 + 0.03)  # local progress kept
+    done = [trainer.inner_step() for _ in range(3)][-1]
+    assert done is not None and done.step == 1 and swarm.calls == [(0, -1), (0, -1)]
+    assert torch.allclose(trainer.algorithm.global_params, nesterov_once(g0, torch.full_like(g0, -0.06)), atol=1e-6)
+
+
+def test_diloco_behind_the_swarm_downloads_its_state(tmp_path: Path) -> None:
+    swarm = FakeSwarm(behind={(0, -1): 5})
+    trainer = setup(tmp_path, "diloco", swarm)
+    served = {
+        "params": torch.linspace(-1, 1, trainer.layout.numel),
+        "outer_momentum": torch.zeros(trainer.layout.numel),
+    }
+    swarm.state = StateSnapshot(5, served, work=20)
+    done = [trainer.inner_step() for _ in range(3)][-1]
+    assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
+    assert torch.equal(flat(trainer), served["params"]) and trainer.algorithm.work == 20
+
+
+def test_diloco_heals_before_a_round_when_a_better_state_is_live(tmp_path: Path) -> None:
+    swarm = FakeSwarm(best=Claim(work=9, step=2, digest=b"d", peer_id="p1"))
+    trainer = setup(tmp_path, "diloco", swarm)
+    swarm.state = StateSnapshot(2, trainer.algorithm.state_tensors(), work=9)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # it healed instead of averaging
+    assert swarm.calls == [] and trainer.adopted == [(2, "behind")] and trainer.outer_step == 2
+
+
+# -- NoLoCo ---------------------------------------------------------------------------------------------------------
+def test_noloco_without_a_partner_takes_the_solo_step(tmp_path: Path) -> None:
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "noloco", swarm)
+    algo = trainer.algorithm
+    phi, m = algo.phi.clone(), algo.momentum.clone()
+    done = [trainer.inner_step() for _ in range(3)][-1]
+    assert done is not None and done.step == 1 and swarm.solo_steps == 1 and len(swarm.recorded) == 1
+    contributions = {ME: {"phi": phi - algo.phi_ref, "pair": (phi + 0.03) - phi}}
+    noloco_update(phi, m, algo.phi_ref, contributions, ME, alpha=0.5, beta=0.7, gamma=0.7)
+    assert torch.allclose(algo.phi, phi, atol=1e-6) and torch.allclose(flat(trainer), phi, atol=1e-6)
+
+
+def test_noloco_with_a_partner_pulls_towards_it(tmp_path: Path) -> None:
+    def partner(step: int, mine: dict) -> dict:
+        return {"p1": {"phi": mine["phi"] + 1.0, "pair": torch.zeros_like(mine["pair"])}}
+
+    swarm = FakeSwarm(partners=partner)
+    trainer = setup(tmp_path, "noloco", swarm)
+    algo = trainer.algorithm
+    phi0 = algo.phi.clone()
+    done = [trainer.inner_step() for _ in range(3)][-1]
+    assert done is not None and done.result.included == [ME, "p1"] and swarm.solo_steps == 0
+    # mean delta = 0.015, mean phi - phi = +0.5: m = 0.7*0.015 + 0.7*0.5, phi += m
+    assert torch.allclose(algo.phi, phi0 + 0.7 * 0.015 + 0.7 * 0.5, atol=1e-6)
+
+
+# -- Streaming DiLoCo -----------------------------------------------------------------------------------------------
+def test_streaming_runs_its_fragments_on_schedule_and_publishes_each_boundary_once(tmp_path: Path) -> None:
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 4}, streaming={"fragments": 2, "tau": 1})
+    dones = [trainer.inner_step() for _ in range(8)]
+    # offsets t_p = p*H//P = 0, 2: fragment 1 syncs after s = 2 and 6 (round steps 0, 1), fragment 0 at s = 4
+    assert swarm.calls == [(0, 1), (1, 0), (1, 1), (2, 0)]
+    assert [d.step if d else None for d in dones] == [None, None, None, 1, None, None, None, 2]
+    assert all(d.published for d in dones if d) and trainer.published == [1, 2]
+    assert swarm.noted[0] == (0, [ME])  # members noted as having reached the round's step
+    assert trainer.algorithm.work == 3  # rounds of one, applied; the one started at s = 8 applies at s = 9
+
+
+def test_streaming_outranked_at_a_boundary_downloads_only_then(tmp_path: Path) -> None:
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 4}, streaming={"fragments": 2, "tau": 1})
+    for _ in range(3):
+        trainer.inner_step()
+    assert trainer.adopted == []
+    served = trainer.algorithm.state_tensors()
+    served["params"] += 1.0
+    swarm.state = StateSnapshot(7, served, work=50)
+    swarm.best = Claim(work=50, step=7, digest=b"x", peer_id="p1")
+    done = trainer.inner_step()  # s = 4: the boundary
+    assert trainer.adopted == [(7, "behind")] and done is not None and done.step == 7
+    assert torch.allclose(trainer.algorithm.state.global_params, served["params"])
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "noloco", "streaming"])
+def test_algorithms_never_write_the_trainers_step(tmp_path: Path, algorithm: str) -> None:
+    trainer = setup(tmp_path, algorithm, FakeSwarm(), inner={"steps": 4})
+    for _ in range(3):
+        trainer.algorithm.after_inner_step(trainer, trainer.t)
+        trainer.t += 1
+    done = trainer.algorithm.after_inner_step(trainer, trainer.t)
+    assert done is not None and done.step == 1 and trainer.outer_step == 0  # reported, not written
