@@ -87,7 +87,9 @@ class NolocoSection:
 class StreamingSection:
     fragments: int = 2
     mode: str = "strided"  # or "sequential"
-    tau: int = 2  # inner steps between a fragment's sync start and its merge
+    # inner steps between a fragment's sync start and its local merge; "auto": from the measured round and inner step
+    # times, so a sync stays hidden behind compute on any link (local only: merges never touch the global copy)
+    tau: int | str = "auto"
     alpha: float = 0.5  # local <- alpha*local + (1-alpha)*new_global
     late_policy: str = "wait"  # or "skip": what the trainer does when an exchange is not done by t + tau
 
@@ -221,10 +223,15 @@ class RunConfig:
             raise ConfigError("streaming.late_policy must be 'wait' or 'skip'")
         if not 0.0 <= self.streaming.alpha <= 1.0:
             raise ConfigError("streaming.alpha must be in [0, 1]")
-        if self.streaming.fragments < 1 or self.streaming.tau < 1:
-            raise ConfigError("streaming.fragments and streaming.tau must be >= 1")
-        if self.streaming.tau >= self.inner.steps:
-            raise ConfigError("streaming.tau must be smaller than inner.steps")
+        if self.streaming.fragments < 1:
+            raise ConfigError("streaming.fragments must be >= 1")
+        tau = self.streaming.tau
+        if self.run.algorithm == "streaming" and self.inner.steps < 2:
+            raise ConfigError("streaming needs inner.steps >= 2 (a fragment's exchange overlaps at least one step)")
+        if tau != "auto" and not (isinstance(tau, int) and 1 <= tau < self.inner.steps):
+            raise ConfigError(
+                f'streaming.tau must be "auto" or an int in [1, inner.steps={self.inner.steps}), got {tau!r}'
+            )
         if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
             raise ConfigError("admission.mode must be open, secret, allowlist or invite")
         self._validate_security()
@@ -293,8 +300,15 @@ def _is_hex_key(text: str) -> bool:
     return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
+INT_OR_AUTO = {"streaming.tau"}  # keys that take an int or the string "auto"
+
+
 def _coerce(name: str, value: Any, default: Any) -> Any:
     """Accept ints for float fields; refuse anything else that does not match the default's type."""
+    if name in INT_OR_AUTO:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise ConfigError(f'{name} must be "auto" or an int, got {value!r}')
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false")
@@ -307,9 +321,9 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
 
 
 TEMPLATE = """\
-# peerd run config. Every peer of a run uses the same file: the [run] .. [admission] sections hash into the run id,
+# peerd run config. Every peer of a run uses the same file: the [run] .. [robust] sections hash into the run id,
 # and a peer with a different spec is refused at Join (the error names the fields that differ).
-# [network] and [checkpoint] are local tuning and may differ per machine.
+# [network], [checkpoint] and [security] are local and may differ per machine.
 
 [run]
 name = "peerd-run"
@@ -352,7 +366,7 @@ send_ahead = false
 [streaming]               # used when run.algorithm = "streaming"
 fragments = 2
 mode = "strided"          # strided | sequential
-tau = 2                   # inner steps a fragment's exchange may overlap before it is merged
+tau = "auto"              # inner steps a fragment's exchange may overlap before its local merge; "auto": measured
 alpha = 0.5               # local <- alpha*local + (1-alpha)*new_global
 late_policy = "wait"      # wait | skip
 

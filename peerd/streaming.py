@@ -12,6 +12,10 @@ Schedule. ``s`` counts inner steps completed in the swarm's timeline. Fragment p
 the outer step is ``s // H`` (full cycles), so the rendezvous leader expects the peers whose gossiped outer
 step is step-1 or step. One outer step (evaluate, publish, checkpoint) happens per cycle, at s % H == 0.
 
+tau. ``streaming.tau = "auto"`` (the default) sets the merge delay from measured times: 1.25x the average round
+over the average inner step, capped at H - t_last so merges never cross a cycle boundary. It is local: the merge
+touches only this peer's own parameters (see `_retune`).
+
 Update. When fragment p's averaged pseudo-gradient lands, ``global_p <- NesterovOuter(key=p).step(global_p,
 avg)`` (separate momentum per fragment), and at s_start + tau ``local_p <- alpha * local_p + (1 - alpha) *
 global_p`` (`trainer.outer.streaming_merge`).
@@ -42,6 +46,7 @@ no earlier than 2 s after it started (the round itself runs normally): a slow li
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -226,6 +231,7 @@ class StreamingStats:
     merges_skipped: int = 0  # not done at s_start + tau (late_policy "skip"); done when the round landed
     merge_waits: int = 0  # late_policy "wait": times the trainer blocked at a merge point
     boundary_waits: int = 0  # times the trainer blocked at a cycle boundary for an unfinished exchange
+    tau: int = 0  # tau = "auto": the latest value chosen (0: fixed tau)
     wait_seconds: float = 0.0
     digest_mismatches: int = 0
     resyncs: int = 0
@@ -280,7 +286,16 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.late_policy = sc.late_policy
         self.target = cfg.run.outer_steps
         fragments = split_fragments(trainer.model, sc.fragments, sc.mode)  # type: ignore[arg-type]
-        self.schedule = Schedule.make(len(fragments), self.H, sc.tau)
+        # tau = "auto": start at the cap (nothing measured yet: hide as much as the schedule allows), then follow the
+        # measured round and inner step times (_retune)
+        self.auto_tau = sc.tau == "auto"
+        offsets = fragment_offsets(len(fragments), self.H)
+        self.tau_max = max(1, min(self.H - 1, self.H - max(offsets)))  # merges never cross a cycle boundary
+        tau = self.tau_max if self.auto_tau else int(sc.tau)
+        self.schedule = Schedule.make(len(fragments), self.H, tau)
+        self._step_s = math.nan  # moving averages: one inner step, one fragment round (start to landed)
+        self._round_s = math.nan
+        self._last_tick: float | None = None
         flat = trainer.layout.flatten(trainer.model).detach().to("cpu", torch.float32).clone()
         outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.state = FragmentState(trainer.layout, fragments, flat, outer)
@@ -296,7 +311,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         self._reloaded = False  # state replaced from outside (checkpoint resume, joiner download)
         if self.fault_delay:
             log.warning("fault injection: exchanges land >= %.2fs after they start", self.fault_delay)
-        if not self.schedule.boundary_wait_free():
+        if not self.auto_tau and not self.schedule.boundary_wait_free():
             log.warning(
                 "streaming.tau=%d > H - t_last=%d: late fragments' exchanges resolve at the cycle boundary",
                 sc.tau,
@@ -322,6 +337,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             self._reposition(trainer)
         self.s += 1
         s = self.s
+        self._time_inner_step(s)
         for ex in list(self.pending.values()):  # results that already landed: apply their global update now
             if not ex.resolved and ex.landed():
                 self._resolve(ex)
@@ -448,6 +464,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             log.warning("fragment %d round %d returned an unusable average: %s", p, rec.step, exc)
             return
         st = result.stats
+        self._retune(rec)
         self.work += len(set(result.included))
         rec.outcome = "applied"
         rec.digest = fragment_digest(new_global)
@@ -456,6 +473,39 @@ class StreamingDiLoCo(OuterAlgorithm):
         rec.seconds = st.seconds
         self.stats.rounds_applied += 1
         self.last_result = result
+
+    # -- tau = "auto" -----------------------------------------------------------------------------------------
+    def _time_inner_step(self, s: int) -> None:
+        """Average one inner step's duration; the step after a cycle boundary also timed evaluation and
+        checkpointing, so it is not counted."""
+        now = time.perf_counter()
+        if self._last_tick is not None and (s - 1) % self.H:
+            dt = now - self._last_tick
+            self._step_s = dt if math.isnan(self._step_s) else 0.8 * self._step_s + 0.2 * dt
+        self._last_tick = now
+
+    def _retune(self, rec: SyncRecord) -> None:
+        """tau = "auto": the merge point moves to where a round of the measured length has landed (x1.25 for
+        jitter), capped so merges never cross a cycle boundary. tau only decides when the *local* merge happens;
+        the global update is applied when the round lands, whatever tau is, so peers may differ in tau and still
+        hold bit-identical global copies. A round longer than the cap still waits (at the boundary)."""
+        if not self.auto_tau or rec.t_end <= rec.t_start:
+            return
+        took = rec.t_end - rec.t_start
+        self._round_s = took if math.isnan(self._round_s) else 0.7 * self._round_s + 0.3 * took
+        if not (self._step_s > 0 and math.isfinite(self._round_s)):
+            return
+        tau = min(max(math.ceil(1.25 * self._round_s / self._step_s), 1), self.tau_max)
+        if tau != self.schedule.tau:
+            log.info(
+                "streaming: tau %d -> %d inner steps (rounds take %.0f ms, an inner step %.0f ms)",
+                self.schedule.tau,
+                tau,
+                1000 * self._round_s,
+                1000 * self._step_s,
+            )
+            self.schedule = dataclasses.replace(self.schedule, tau=tau)
+            self.stats.tau = tau
 
     def _merge(self, ex: _Exchange) -> None:
         """local_p <- alpha*local_p + (1-alpha)*global_p, where global_p already holds this round's update."""

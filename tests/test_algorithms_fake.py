@@ -160,3 +160,28 @@ def test_algorithms_never_write_the_trainers_step(tmp_path: Path, algorithm: str
         trainer.t += 1
     done = trainer.algorithm.after_inner_step(trainer, trainer.t)
     assert done is not None and done.step == 1 and trainer.outer_step == 0  # reported, not written
+
+
+def test_streaming_auto_tau_follows_measured_round_time(tmp_path: Path) -> None:
+    from peerd.streaming import SyncRecord
+
+    trainer = setup(tmp_path, "streaming", FakeSwarm(), inner={"steps": 20}, streaming={"fragments": 2, "tau": "auto"})
+    algo = trainer.algorithm
+    assert algo.tau_max == 10 and algo.schedule.tau == 10  # nothing measured: the cap (offsets 0 and 10)
+    algo._step_s = 0.02
+    algo._retune(SyncRecord(fragment=0, step=0, s=0, t_start=100.0, t_end=100.1))  # 100 ms: 1.25 * 5 steps
+    assert algo.schedule.tau == 7 and algo.stats.tau == 7
+    algo._retune(SyncRecord(fragment=1, step=0, s=10, t_start=200.0, t_end=205.0))  # a slow link: capped
+    assert algo.schedule.tau == 10
+    fixed = setup(tmp_path, "streaming", FakeSwarm(), inner={"steps": 20}, streaming={"fragments": 2, "tau": 3})
+    fixed.algorithm._step_s = 0.02
+    fixed.algorithm._retune(SyncRecord(fragment=0, step=0, s=0, t_start=100.0, t_end=101.0))
+    assert fixed.algorithm.schedule.tau == 3  # a fixed tau is left alone
+
+
+def test_streaming_auto_tau_shrinks_when_rounds_are_fast(tmp_path: Path) -> None:
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 8}, streaming={"fragments": 2, "tau": "auto"})
+    for _ in range(16):
+        trainer.inner_step()
+    assert 1 <= trainer.algorithm.schedule.tau < trainer.algorithm.tau_max  # in-memory rounds take no time

@@ -25,6 +25,10 @@ def test_template_parses_to_the_defaults(tmp_path: Path) -> None:
         ({"run": {"algorithm": "sgd"}}, "run.algorithm"),
         ({"codec": {"name": "int3"}}, "codec.name"),
         ({"streaming": {"tau": 50}, "inner": {"steps": 10}}, "streaming.tau"),
+        ({"streaming": {"tau": "fast"}}, "streaming.tau"),
+        ({"streaming": {"tau": 2.5}}, "streaming.tau"),
+        ({"streaming": {"tau": True}}, "streaming.tau"),
+        ({"run": {"algorithm": "streaming"}, "inner": {"steps": 1}}, "inner.steps"),
     ],
 )
 def test_bad_configs_name_the_key(raw: dict, needle: str) -> None:
@@ -40,6 +44,12 @@ def test_run_id_covers_spec_but_not_local_sections() -> None:
     changed = RunConfig.from_dict({"inner": {"lr": 0.5}, "codec": {"name": "int4"}})
     assert changed.run_id() != base.run_id()
     assert spec_differences(base.spec(), changed.spec()) == ["codec.name", "inner.lr"]
+
+
+def test_streaming_tau_is_auto_or_an_int() -> None:
+    assert RunConfig().streaming.tau == "auto"
+    assert RunConfig.from_dict({"streaming": {"tau": 3}}).streaming.tau == 3
+    assert RunConfig.from_dict({"streaming": {"tau": "auto"}}).streaming.tau == "auto"
 
 
 def test_int_is_accepted_for_float_fields() -> None:
