@@ -83,7 +83,8 @@ class RunSpec:
             "data": {"batch_size": self.batch_size, "eval_batches": 2},
             # Every algorithm anneals the inner lr over the same budget, as a real run of this length would.
             "inner": {"steps": self.H, "warmup_steps": min(20, self.inner_steps // 4), "total_steps": self.inner_steps},
-            "codec": {"name": self.codec},
+            # The sparse codec is only sound with error feedback (the config refuses it without).
+            "codec": {"name": self.codec, **({"error_feedback": True} if self.codec == "sparse" else {})},
             "network": dict(NETWORK),
             "checkpoint": {"every": 0},
         }

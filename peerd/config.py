@@ -23,7 +23,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp")  # ddp: every-step gradient all-reduce baseline
-CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4")
+CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
+SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
+SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positions fit 16-bit indices
 
 
 class ConfigError(ValueError):
@@ -100,6 +102,8 @@ class CodecSection:
     zstd_level: int = 3
     block_size: int = 256
     error_feedback: bool = False
+    density: float = 0.02  # "sparse" only: share of each block's values sent (top-k, k = ceil(density * block_size))
+    bits: int = 2  # "sparse" only: bits per kept value (sign + magnitude level)
 
 
 @dataclass
@@ -209,8 +213,7 @@ class RunConfig:
     def validate(self) -> None:
         if self.run.algorithm not in ALGORITHMS:
             raise ConfigError(f"run.algorithm must be one of {ALGORITHMS}, not {self.run.algorithm!r}")
-        if self.codec.name not in CODECS:
-            raise ConfigError(f"codec.name must be one of {CODECS}, not {self.codec.name!r}")
+        self._validate_codec()
         if self.inner.steps < 1:
             raise ConfigError("inner.steps must be >= 1")
         if self.data.batch_size < 1 or self.data.num_shards < 1:
@@ -241,6 +244,32 @@ class RunConfig:
             raise ConfigError("network.join_timeout must be > 0 seconds")
         if self.network.relay_max_peers < 0 or not self.network.relay_peer_mbit > 0:
             raise ConfigError("network.relay_max_peers must be >= 0 and network.relay_peer_mbit > 0")
+
+    def _validate_codec(self) -> None:
+        """The sparse codec's keys, and what it needs: error feedback, which only DiLoCo carries (Streaming DiLoCo has
+        none yet, NoLoCo sends weights, which must not be sparsified, and ddp sends every step's gradient)."""
+        codec, default = self.codec, CodecSection()
+        if codec.name not in CODECS:
+            raise ConfigError(f"codec.name must be one of {CODECS}, not {codec.name!r}")
+        if not (0.0 < codec.density <= 1.0):
+            raise ConfigError(f"codec.density must be in (0, 1], got {codec.density!r}")
+        if codec.bits not in SPARSE_BITS:
+            raise ConfigError(f"codec.bits must be one of {SPARSE_BITS}, got {codec.bits!r}")
+        if codec.name != "sparse":
+            if codec.density != default.density:
+                raise ConfigError(f"codec.density only applies to codec.name = 'sparse' (this run uses {codec.name!r})")
+            if codec.bits != default.bits:
+                raise ConfigError(f"codec.bits only applies to codec.name = 'sparse' (this run uses {codec.name!r})")
+            return
+        if not 2 <= codec.block_size <= SPARSE_MAX_BLOCK:
+            raise ConfigError(f"codec.block_size must be in [2, {SPARSE_MAX_BLOCK}] with codec.name = 'sparse'")
+        if not codec.error_feedback:
+            raise ConfigError("codec.name = 'sparse' needs codec.error_feedback = true: it drops most of each update")
+        if self.run.algorithm != "diloco":
+            raise ConfigError(
+                f"codec.name = 'sparse' needs run.algorithm = 'diloco' (the one with error feedback), "
+                f"not {self.run.algorithm!r}"
+            )
 
     def _validate_security(self) -> None:
         adm, rob, sec = self.admission, self.robust, self.security
@@ -274,6 +303,8 @@ class RunConfig:
         this peer stops, so a peer may leave early or a restart may train longer without forking the run."""
         spec = {name: dataclasses.asdict(getattr(self, name)) for name in SPEC_SECTIONS}
         del spec["run"]["outer_steps"]
+        if self.codec.name != "sparse":  # always the defaults then: left out, so older peers' run ids still match
+            del spec["codec"]["density"], spec["codec"]["bits"]
         return spec
 
     def spec_json(self) -> str:
@@ -371,10 +402,12 @@ alpha = 0.5               # local <- alpha*local + (1-alpha)*new_global
 late_policy = "wait"      # wait | skip
 
 [codec]
-name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4
+name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4 | sparse (DiLoCo only, needs error_feedback)
 zstd_level = 3            # 0 switches zstd off; otherwise each frame drops it when it does not pay
 block_size = 256
-error_feedback = false
+error_feedback = false    # carry what the codec dropped into the next round (DiLoCo)
+density = 0.02            # sparse only: top ceil(density * block_size) values of each block are sent
+bits = 2                  # sparse only: 2 | 4 | 8 bits per sent value
 
 [admission]
 mode = "open"             # open | secret | allowlist | invite (see SECURITY.md)

@@ -40,6 +40,8 @@ def demo_config(args: argparse.Namespace) -> dict[str, Any]:
         "codec": {"name": args.codec},
         "network": dict(DEMO_NETWORK),
     }
+    if args.codec == "sparse":  # the sparse codec is only sound with error feedback (the config refuses it without)
+        raw["codec"]["error_feedback"] = True
     for item in args.set:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")

@@ -6,6 +6,7 @@ normal run. Keep every injector here, so a reader sees in one place how a daemon
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sized
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from peerd.codecs import Codec, make_codec
+from peerd.codecs import Codec
 from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
 
 T = TypeVar("T", bound=Sized)
@@ -57,7 +58,8 @@ def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""
     if bool(torch.isfinite(x).all()):
         return codec.encode(x)
-    plain = make_codec(codec.name, zstd=False, block_size=codec.block_size or 256)
+    plain = copy.copy(codec)  # the same codec and parameters (block size, sparse density and bits), zstd off
+    plain.zstd = False
     frame = plain.encode(torch.nan_to_num(x, nan=1.0, posinf=1.0, neginf=-1.0))
     body = bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
     body[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN, little-endian

@@ -1,0 +1,203 @@
+"""Sparse low-bit codec: the top-k values of every block, each sent in a few bits, for outer pseudo-gradients.
+
+Per block of ``block_size`` values only the ``k = ceil(density * block_size)`` largest magnitudes are kept (as in
+SparseLoCo); the rest decode to zero. Dropping 98% of an update is only sound with error feedback, which carries
+the dropped mass into the next round (``peerd.codecs.feedback``); the run config refuses this codec without it.
+
+Each kept value is ``sign * level * scale / L`` with ``L = 2^(bits-1)`` magnitude levels ``1..L`` and the block's
+absmax as ``scale``: a kept value is by choice not small, so no code is spent on zero. Indices are the positions
+within the block (1 byte for blocks up to 256 values, 2 bytes up to 65536), ascending within each block.
+
+Body layout for ``numel`` values, ``full = numel // block_size`` whole blocks and a shorter tail block of ``tail``
+values when ``numel`` is not a multiple (the tail keeps ``min(k, tail)`` values)::
+
+    scales   one little-endian float32 per block (the block absmax)
+    indices  n = full * k + min(k, tail) positions, uint8 or uint16 little-endian, ascending per block
+    codes    n codes of ``bits`` bits packed LSB-first, code = (level - 1) | sign << (bits - 1); unused bits zero
+
+The layout is a function of ``numel`` alone, so the frame machinery checks every size before allocating. Decoding
+refuses NaN, Inf or negative scales, indices out of their block (or past the tail), indices not strictly increasing
+(duplicates), and non-zero padding bits. With 256-value blocks, density 0.02 (k = 6) and 2 bits, a block costs
+4 + 6 + 1.5 = 11.5 bytes instead of 1024: 89x fewer than fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from peerd.codecs.base import Codec
+from peerd.codecs.errors import CodecError
+from peerd.codecs.quant import exact_div
+
+DEFAULT_DENSITY = 0.02
+DEFAULT_BITS = 2
+BITS_CHOICES = (2, 4, 8)
+MAX_SPARSE_BLOCK = 1 << 16
+CHUNK_ELEMS = 1 << 18  # CPU work runs over row chunks of about this many values, so temporaries stay in cache
+
+
+def check_sparse_params(density: float, bits: int, block_size: int) -> None:
+    """Raise ValueError for parameters the sparse codec cannot use."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    if isinstance(bits, bool) or bits not in BITS_CHOICES:
+        raise ValueError(f"bits must be one of {BITS_CHOICES}, got {bits!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_SPARSE_BLOCK:
+        raise ValueError(
+            f"block_size must be an int in [2, {MAX_SPARSE_BLOCK}] for the sparse codec, got {block_size!r}"
+        )
+
+
+def kept_per_block(density: float, block_size: int) -> int:
+    """k: values kept per whole block (at least 1). Rounded first so that 0.03 * 100 keeps 3, not 4."""
+    return max(1, min(block_size, math.ceil(round(density * block_size, 9))))
+
+
+class SparseCodec(Codec):
+    """Top-k per block with ``bits``-bit sign + magnitude values and a float32 absmax scale per block."""
+
+    name, codec_id = "sparse", 7
+
+    def __init__(
+        self,
+        *,
+        density: float = DEFAULT_DENSITY,
+        bits: int = DEFAULT_BITS,
+        block_size: int = 256,
+        zstd_level: int = 3,
+        zstd: bool = True,
+    ) -> None:
+        super().__init__(zstd_level=zstd_level, zstd=zstd)
+        check_sparse_params(density, bits, block_size)
+        self.density = float(density)
+        self.bits = bits
+        self.levels = 1 << (bits - 1)
+        self._block = block_size
+        self.k = kept_per_block(self.density, block_size)
+        self.index_bytes = 1 if block_size <= 256 else 2
+
+    @property
+    def block_size(self) -> int:
+        return self._block
+
+    def _shape(self, numel: int) -> tuple[int, int, int, int]:
+        """(whole blocks, tail length, blocks, kept values n)."""
+        full, tail = divmod(numel, self._block)
+        return full, tail, full + (tail > 0), full * self.k + min(self.k, tail)
+
+    def body_layout(self, numel: int) -> tuple[int, int]:
+        _, _, blocks, n = self._shape(numel)
+        return 4 * blocks, n * self.index_bytes + -(-n * self.bits // 8)
+
+    # -- encoding ------------------------------------------------------------------------------------------------
+    def _encode_body(self, x: Tensor) -> Tensor:
+        full, tail, blocks, n = self._shape(x.numel())
+        block, k = self._block, self.k
+        scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        index = torch.empty(n, dtype=torch.int64, device=x.device)
+        values = torch.empty(n, dtype=torch.float32, device=x.device)
+        main = x[: full * block].view(full, block)
+        rows = max(1, CHUNK_ELEMS // block) if x.device.type == "cpu" else max(1, full)
+        for r0 in range(0, full, rows):
+            r1 = min(r0 + rows, full)
+            self._top_k(main[r0:r1], k, scales[r0:r1], index[r0 * k : r1 * k], values[r0 * k : r1 * k])
+        if tail:
+            self._top_k(
+                x[full * block :].view(1, tail), min(k, tail), scales[full:], index[full * k :], values[full * k :]
+            )
+        peak = float(scales.max())
+        if not math.isfinite(peak):
+            raise CodecError("input tensor contains NaN or Inf")
+        per_value = torch.cat([scales[:full].repeat_interleave(k), scales[full:].expand(n - full * k)])
+        codes = self._codes(values, per_value)
+        index_t = index.to(torch.uint8) if self.index_bytes == 1 else index.to(torch.int16).view(torch.uint8)
+        return torch.cat([scales.view(torch.uint8), index_t, _pack(codes, self.bits)]).cpu()
+
+    @staticmethod
+    def _top_k(xb: Tensor, k: int, scale_out: Tensor, index_out: Tensor, value_out: Tensor) -> None:
+        """Per row: the absmax, and the ``k`` largest magnitudes' positions (ascending) and values."""
+        mag = xb.abs()
+        torch.amax(mag, dim=1, out=scale_out)  # NaN propagates; checked once all blocks are done
+        idx = torch.topk(mag, k, dim=1, sorted=False).indices.sort(dim=1).values
+        index_out.copy_(idx.reshape(-1))
+        value_out.copy_(xb.gather(1, idx).reshape(-1))
+
+    def _codes(self, values: Tensor, scale: Tensor) -> Tensor:
+        """(level - 1) | sign << (bits - 1), level = round(|v| / scale * L) in [1, L]."""
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        level = (values.abs() / safe).mul_(self.levels).round_().clamp_(1, self.levels).to(torch.int32)
+        code = (level - 1) | ((values < 0).to(torch.int32) << (self.bits - 1))
+        return code.to(torch.uint8)
+
+    # -- decoding ------------------------------------------------------------------------------------------------
+    def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
+        full, tail, blocks, n = self._shape(numel)
+        block, k = self._block, self.k
+        scales_len = 4 * blocks
+        scales = raw[:scales_len].view(torch.float32)
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise CodecError("sparse frame has a NaN, Inf or negative block scale")
+        index_raw = raw[scales_len : scales_len + n * self.index_bytes]
+        if self.index_bytes == 1:
+            index = index_raw.to(torch.int64)
+        else:
+            index = index_raw.view(torch.int16).to(torch.int64) & 0xFFFF
+        codes = _unpack(raw[scales_len + n * self.index_bytes :], n, self.bits)
+        if codes is None:
+            raise CodecError("sparse frame has non-zero padding bits after its last code")
+        start = torch.cat(
+            [
+                torch.arange(full, device=raw.device).mul_(block).repeat_interleave(k),
+                torch.full((n - full * k,), full * block, dtype=torch.int64, device=raw.device),
+            ]
+        )
+        limit = torch.cat(
+            [
+                torch.full((full * k,), block, dtype=torch.int64, device=raw.device),
+                torch.full((n - full * k,), tail, dtype=torch.int64, device=raw.device),
+            ]
+        )
+        if bool((index >= limit).any()):
+            raise CodecError("sparse frame has an index outside its block")
+        # Ascending within each block: every step from one kept value to the next, except where a block starts.
+        first = torch.zeros(n, dtype=torch.bool, device=raw.device)
+        first[: full * k : k] = True
+        if n > full * k:
+            first[full * k] = True
+        if n > 1 and not bool(((index[1:] > index[:-1]) | first[1:]).all()):
+            raise CodecError("sparse frame has indices that repeat or are not ascending within a block")
+        steps = exact_div(scales, float(self.levels))
+        per_value = torch.cat([steps[:full].repeat_interleave(k), steps[full:].expand(n - full * k)])
+        level = ((codes & (self.levels - 1)) + 1).to(torch.float32)
+        value = level.mul_(per_value)
+        value = torch.where((codes >> (self.bits - 1)).bool(), -value, value)
+        out = torch.zeros(numel, dtype=torch.float32, device=raw.device)
+        out.index_put_((start + index,), value)
+        return out
+
+    def __repr__(self) -> str:
+        zstd = f"zstd={self.zstd_level}" if self.zstd else "zstd=off"
+        return f"SparseCodec(density={self.density}, k={self.k}, bits={self.bits}, block_size={self._block}, {zstd})"
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack uint8 codes of ``bits`` bits (a divisor of 8) LSB-first; the last byte's unused bits stay zero."""
+    per_byte = 8 // bits
+    pad = -codes.numel() % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    groups = codes.view(-1, per_byte).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (groups << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack(packed: Tensor, n: int, bits: int) -> Tensor | None:
+    """The ``n`` codes of ``packed`` as uint8, or None when a padding bit past the last code is set."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    if bool(codes[n:].any()):
+        return None
+    return codes[:n]

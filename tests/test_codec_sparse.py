@@ -1,0 +1,308 @@
+"""The sparse codec (top-k per block, 2-8 bit values): what it keeps, what it drops into error feedback, what it
+costs on the wire, how it refuses hostile frames, its config keys, and a real DiLoCo swarm that uses it."""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerd.codecs import (
+    ALL_CODEC_NAMES,
+    CODEC_IDS,
+    HEADER_SIZE,
+    MAX_NUMEL,
+    TRAILER_SIZE,
+    CodecError,
+    ErrorFeedback,
+    make_codec,
+    parse_header,
+)
+from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, MAX_SPARSE_BLOCK, SparseCodec
+from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig
+from tests.swarm import Swarm, tiny_config
+from tests.test_codec_corruption import reseal, with_fields
+from tests.test_swarm_diloco import assert_identical_globals
+
+N = 1000
+
+
+def sparse(**kw: object) -> SparseCodec:
+    codec = make_codec("sparse", **kw)  # type: ignore[arg-type]
+    assert isinstance(codec, SparseCodec)
+    return codec
+
+
+def sample(n: int = N, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def top_k_mask(x: torch.Tensor, block: int, k: int) -> torch.Tensor:
+    """Reference: which positions a per-block top-k by magnitude keeps (slow and obvious)."""
+    mask = torch.zeros(x.numel(), dtype=torch.bool)
+    for start in range(0, x.numel(), block):
+        part = x[start : start + block].abs()
+        mask[start + part.topk(min(k, part.numel())).indices] = True
+    return mask
+
+
+def body(frame: bytes) -> bytearray:
+    return bytearray(frame[HEADER_SIZE : len(frame) - TRAILER_SIZE])
+
+
+def with_body(frame: bytes, new_body: bytes | bytearray) -> bytes:
+    return reseal(frame[:HEADER_SIZE] + bytes(new_body) + b"\0" * TRAILER_SIZE)
+
+
+# -- what is kept -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", BITS_CHOICES)
+@pytest.mark.parametrize("n", [1, 5, 255, 256, 257, 1000, 4096])
+def test_keeps_the_top_k_of_every_block_within_half_a_step(bits: int, n: int) -> None:
+    codec = sparse(bits=bits, zstd=False)
+    x = sample(n, seed=n)
+    y = codec.decode(codec.encode(x), n)
+    kept = y != 0
+    assert torch.equal(kept, top_k_mask(x, 256, codec.k))  # distinct magnitudes: the kept set is unique
+    assert torch.equal(torch.sign(y[kept]), torch.sign(x[kept]))
+    levels = 1 << (bits - 1)
+    for start in range(0, n, 256):
+        xs, ys, ks = x[start : start + 256], y[start : start + 256], kept[start : start + 256]
+        step = float(xs.abs().max()) / levels
+        # a kept value is at least the smallest level (one step): below it, it rounds up to that level
+        err = (ys[ks] - xs[ks]).abs()
+        assert bool((err <= torch.clamp(step - xs[ks].abs(), min=step / 2) + 1e-6).all())
+
+
+@pytest.mark.parametrize("bits", BITS_CHOICES)
+def test_values_on_the_level_grid_round_trip_exactly(bits: int) -> None:
+    """A kept value that is a level (j * absmax / 2^(bits-1), j >= 1) decodes bit-exactly; the rest decodes to 0."""
+    levels = 1 << (bits - 1)
+    codec = sparse(bits=bits, density=8 / 256)  # k = 8
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.zeros(3 * 256 + 40)
+    for start, length in ((0, 256), (256, 256), (512, 256), (768, 40)):
+        scale = 2.0 ** int(torch.randint(-20, 20, (1,), generator=gen))
+        pos = start + torch.randperm(length, generator=gen)[:8]
+        lv = torch.randint(1, levels + 1, (8,), generator=gen).float()
+        lv[0] = levels  # the block absmax is the top level
+        sign = torch.where(torch.rand(8, generator=gen) < 0.5, -1.0, 1.0)
+        x[pos] = sign * lv * (scale / levels)
+    y = codec.decode(codec.encode(x), x.numel())
+    assert torch.equal(y, x)
+
+
+def test_all_zero_and_tiny_inputs() -> None:
+    codec = sparse()
+    for x in (torch.zeros(700), torch.full((300,), 1e-42), torch.tensor([-3.0])):
+        y = codec.decode(codec.encode(x), x.numel())
+        assert bool(torch.isfinite(y).all()) and (y != 0).sum() <= 3 * codec.k
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(700)), 700), torch.zeros(700))
+    assert codec.decode(codec.encode(torch.tensor([-3.0])), 1).tolist() == [-3.0]
+    assert codec.decode(codec.encode(torch.empty(0)), 0).numel() == 0
+
+
+def test_same_bytes_every_time_and_for_every_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = sample(300_000) * torch.linspace(0.01, 10, 300_000)
+    frame = sparse().encode(x)
+    assert sparse().encode(x) == frame
+    monkeypatch.setattr("peerd.codecs.sparse.CHUNK_ELEMS", 1000)
+    assert sparse().encode(x) == frame
+
+
+def test_encode_refuses_nan_inf_and_bad_tensors() -> None:
+    codec = sparse()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = sample()
+        x[517] = bad  # not among the kept values' block absmax if it were finite: still refused
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            codec.encode(x)
+    for x in (torch.zeros(4, dtype=torch.float64), torch.zeros(2, 2)):
+        with pytest.raises(CodecError):
+            codec.encode(x)
+
+
+# -- error feedback -----------------------------------------------------------------------------------------------
+def test_dropped_mass_goes_to_error_feedback_and_comes_back() -> None:
+    codec, fb = sparse(), ErrorFeedback()
+    x = sample(2560, seed=1)
+    y = codec.decode(fb.encode(codec, "w", x), x.numel())
+    residual = fb.state_dict()["w"]
+    kept = y != 0
+    assert torch.equal(residual[~kept], x[~kept])  # every dropped value is carried whole
+    assert torch.equal(residual + y, x)  # nothing is lost: sent + carried = input (exact: kept values lose no bits)
+    assert kept.sum() == 10 * codec.k
+    # Over rounds, what was sent tracks the running sum of the inputs within one round's residual.
+    sent, total = y.clone(), x.clone()
+    for t in range(60):
+        g = sample(2560, seed=100 + t)
+        total += g
+        sent += codec.decode(fb.encode(codec, "w", g), 2560)
+    assert torch.allclose(sent + fb.state_dict()["w"], total, atol=1e-4)
+    assert float((sent - total).norm()) < 0.5 * float(total.norm())
+
+
+# -- wire size ----------------------------------------------------------------------------------------------------
+def test_wire_bytes_at_least_50x_fewer_than_fp32() -> None:
+    codec = sparse(zstd=False)
+    n = 10_000_000
+    assert codec.k == 6 and codec.max_encoded_size(n) * 50 <= 4 * n  # bound, header, scales, indices included
+    blocks = -(-n // 256)
+    assert codec.max_encoded_size(n) == HEADER_SIZE + 4 * blocks + blocks * 6 + -(-blocks * 6 * 2 // 8) + TRAILER_SIZE
+    frame = sparse().encode(sample(n))  # zstd on: never larger than the bound
+    assert len(frame) * 50 <= 4 * n, len(frame)
+    assert 4 * n / codec.max_encoded_size(n) > 85
+
+
+# -- hostile frames -----------------------------------------------------------------------------------------------
+def test_hostile_frames_are_refused() -> None:
+    codec = sparse(zstd=False)
+    x = sample(N)
+    frame = codec.encode(x)
+    full, tail = divmod(N, 256)
+    n = full * codec.k + min(codec.k, tail)
+    idx0 = 4 * (full + 1)  # first index byte
+    code0 = idx0 + n
+
+    def refused(new_body: bytearray, match: str) -> None:
+        with pytest.raises(CodecError, match=match):
+            codec.decode(with_body(frame, new_body), N)
+
+    for scale in (float("nan"), float("inf"), -1.0):
+        b = body(frame)
+        b[4:8] = struct.pack("<f", scale)
+        refused(b, "scale")
+    b = body(frame)
+    b[idx0 + 1] = b[idx0]  # a duplicate index
+    refused(b, "repeat|ascending")
+    b = body(frame)
+    b[idx0], b[idx0 + 1] = b[idx0 + 1], b[idx0]  # out of order
+    refused(b, "repeat|ascending")
+    b = body(frame)
+    b[code0 - 1] = 255  # the tail block holds 1000 - 768 = 232 values: index 255 is past its end
+    refused(b, "outside its block")
+    odd = codec.encode(sample(257))  # 6 + 1 codes of 2 bits: the last byte's top 2 bits are padding
+    b = body(odd)
+    b[-1] |= 0x80
+    with pytest.raises(CodecError, match="padding"):
+        codec.decode(with_body(odd, b), 257)
+    # a smaller block makes every index above it out of range
+    small = sparse(block_size=100, zstd=False)
+    f = bytearray(small.encode(sample(N)))
+    f[HEADER_SIZE + 4 * 10 + small.k - 1] = 100
+    with pytest.raises(CodecError, match="outside its block"):
+        small.decode(reseal(f), N)
+    # the frame machinery: truncated, oversized, lying numel, another codec's frame or parameters
+    for cut in (0, 10, HEADER_SIZE, len(frame) - 1):
+        with pytest.raises(CodecError, match=r"empty|truncated"):
+            codec.decode(frame[:cut], N)
+    with pytest.raises(CodecError, match="oversized"):
+        codec.decode(frame + b"\0", N)
+    for numel in (N + 1, MAX_NUMEL, 2**40):
+        with pytest.raises(CodecError, match="elements"):
+            codec.decode(frame, numel)
+        with pytest.raises(CodecError):
+            codec.decode(with_fields(frame, numel=numel), N)
+    with pytest.raises(CodecError, match="codec id"):
+        codec.decode(make_codec("int4").encode(x), N)
+    with pytest.raises(CodecError, match="codec id"):
+        make_codec("int4").decode(frame, N)
+    with pytest.raises(CodecError, match="scales/payload"):
+        sparse(density=0.05).decode(frame, N)
+    with pytest.raises(CodecError, match="scales/payload"):
+        sparse(bits=4).decode(frame, N)
+
+
+def test_every_single_byte_flip_is_caught() -> None:
+    frame = sparse(zstd=False).encode(sample(300))
+    for i in range(len(frame)):
+        bad = bytearray(frame)
+        bad[i] ^= 0x01
+        with pytest.raises(CodecError):
+            sparse().decode(bytes(bad), 300)
+
+
+def test_resealed_random_bodies_decode_finite_or_raise() -> None:
+    codec = sparse(zstd=False)
+    frame = codec.encode(sample(N))
+    gen = torch.Generator().manual_seed(7)
+    outcomes = set()
+    for _ in range(300):
+        b = body(frame)
+        for pos in torch.randint(0, len(b), (3,), generator=gen).tolist():
+            b[pos] = int(torch.randint(0, 256, (1,), generator=gen))
+        try:
+            y = codec.decode(with_body(frame, b), N)
+        except CodecError:
+            outcomes.add("refused")
+        else:
+            assert y.shape == (N,) and bool(torch.isfinite(y).all()) and (y != 0).sum() <= 24
+            outcomes.add("decoded")
+    assert outcomes == {"refused", "decoded"}
+
+
+def test_parameters_are_validated() -> None:
+    for bad in (dict(density=0.0), dict(density=1.5), dict(density=float("nan")), dict(bits=3), dict(bits=True)):
+        with pytest.raises(ValueError, match=r"density|bits"):
+            make_codec("sparse", **bad)  # type: ignore[arg-type]
+    for block in (1, MAX_SPARSE_BLOCK + 1, 2.0):
+        with pytest.raises(ValueError, match="block_size"):
+            make_codec("sparse", block_size=block)  # type: ignore[arg-type]
+    assert sparse(block_size=MAX_SPARSE_BLOCK).index_bytes == 2 and sparse(block_size=256).index_bytes == 1
+    assert sparse(density=0.03, block_size=100).k == 3 and sparse(density=1.0).k == 256
+    big = sparse(block_size=4096, density=0.01)
+    x = sample(10_000)
+    assert torch.equal(big.decode(big.encode(x), x.numel()) != 0, top_k_mask(x, 4096, big.k))
+    assert "sparse" in ALL_CODEC_NAMES and CODEC_IDS["sparse"] == 7
+    assert parse_header(sparse().encode(x)).codec_id == 7
+
+
+# -- config -------------------------------------------------------------------------------------------------------
+def test_config_keys_and_their_refusals() -> None:
+    assert (CodecSection().density, CodecSection().bits) == (DEFAULT_DENSITY, DEFAULT_BITS)
+    assert SPARSE_BITS == BITS_CHOICES and SPARSE_MAX_BLOCK == MAX_SPARSE_BLOCK
+    ok = {"name": "sparse", "error_feedback": True}
+    cfg = RunConfig.from_dict({"codec": {**ok, "density": 0.01, "bits": 4}})
+    assert cfg.spec()["codec"]["density"] == 0.01 and cfg.spec()["codec"]["bits"] == 4
+    assert cfg.run_id() != RunConfig.from_dict({"codec": ok}).run_id()
+    # other codecs leave the keys out of the spec: their run ids are what they were before the keys existed
+    assert "density" not in RunConfig().spec()["codec"] and "bits" not in RunConfig().spec()["codec"]
+    refusals = [
+        ({"codec": {**ok, "density": 0.0}}, "codec.density must be in"),
+        ({"codec": {**ok, "density": 1.01}}, "codec.density must be in"),
+        ({"codec": {**ok, "bits": 3}}, "codec.bits must be one of"),
+        ({"codec": {"name": "int4", "density": 0.05}}, "codec.density only applies"),
+        ({"codec": {"name": "fp32", "bits": 4}}, "codec.bits only applies"),
+        ({"codec": {"name": "sparse"}}, "needs codec.error_feedback = true"),
+        ({"codec": ok, "run": {"algorithm": "noloco"}}, "needs run.algorithm = 'diloco'"),
+        ({"codec": ok, "run": {"algorithm": "streaming"}}, "needs run.algorithm = 'diloco'"),
+        ({"codec": {**ok, "block_size": 1 << 17}}, "codec.block_size"),
+    ]
+    for raw, match in refusals:
+        with pytest.raises(ConfigError, match=match) as exc:
+            RunConfig.from_dict(raw)
+        assert "\n" not in str(exc.value)
+
+
+def test_wire_ratio_is_what_the_docs_say() -> None:
+    codec = sparse(zstd=False)
+    per_block = (codec.max_encoded_size(256 * 4096) - HEADER_SIZE - TRAILER_SIZE) / 4096
+    assert per_block == 11.5 and math.isclose(1024 / per_block, 89.04, rel_tol=1e-3)
+
+
+# -- a real swarm -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_three_peers_with_the_sparse_codec_agree(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, run__outer_steps=4, codec__name="sparse", codec__error_feedback=True)
+    with Swarm(tmp_path, 3, cfg) as swarm:
+        swarm.wait_exit(180)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["rounds_partial"] == 0 and s["outer_step"] == 4
+        assert s["history"][-1]["loss"] < s["history"][0]["loss"]
+        # sparse frames: far under a twentieth of the fp32 bytes, headers, scales and indices included (the tiny
+        # model's shards are a few blocks each, so fixed per-frame costs weigh more than on a real model)
+        assert s["bytes_sent_wire"] * 20 < s["bytes_sent_raw"], s
