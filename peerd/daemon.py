@@ -133,6 +133,8 @@ class Daemon:
             zstd_level=max(cfg.codec.zstd_level, 1),
             block_size=cfg.codec.block_size,
             zstd=cfg.codec.zstd_level > 0,
+            density=cfg.codec.density,
+            bits=cfg.codec.bits,
         )
         self.me = pb.PeerInfo(
             peer_id=identity.peer_id, public_key=identity.public_key, incarnation=time.time_ns(), heartbeat=1

@@ -306,3 +306,13 @@ def test_three_peers_with_the_sparse_codec_agree(tmp_path: Path) -> None:
         # sparse frames: far under a twentieth of the fp32 bytes, headers, scales and indices included (the tiny
         # model's shards are a few blocks each, so fixed per-frame costs weigh more than on a real model)
         assert s["bytes_sent_wire"] * 20 < s["bytes_sent_raw"], s
+
+
+def test_the_daemon_builds_the_sparse_codec_the_config_asks_for(tmp_path: Path) -> None:
+    from peerd.daemon import Daemon
+    from peerd.identity import Identity
+
+    cfg = RunConfig.from_dict({"codec": {"name": "sparse", "density": 0.05, "bits": 4, "error_feedback": True}})
+    daemon = Daemon(cfg, Identity.generate(), listen="127.0.0.1:0", data_dir=tmp_path, insecure=True)
+    assert isinstance(daemon.codec, SparseCodec)
+    assert (daemon.codec.density, daemon.codec.bits) == (0.05, 4)
