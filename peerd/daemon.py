@@ -13,37 +13,36 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
-import math
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peerd import bootstrap, faults, reflection, tls
-from peerd.admission import Admission, AdmissionError
+from peerd.admission import Admission
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
+from peerd.checks import RequestChecks
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
 from peerd.consistency import AloneTracker, Claim, best_claim, claim_of, outranks
-from peerd.envelope import AuthError, Verifier, set_admission_prover, sign
-from peerd.identity import Identity, peer_id_of
-from peerd.limits import SERVER_OPTIONS, LimitExceeded, LogThrottle, PeerLimits
+from peerd.envelope import Verifier, set_admission_prover, sign
+from peerd.identity import Identity
+from peerd.limits import SERVER_OPTIONS, PeerLimits
+from peerd.localstatus import LocalStatus, status_message
 from peerd.membership import Membership
 from peerd.reachability import Reachability, dialable
 from peerd.redial import Redialer
 from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
-from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
+from peerd.robust import BanList, ContributionGuard
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
 from peerd.statesync import StateSnapshot, part_digests, read_state
 from peerd.streams import StreamError
@@ -58,11 +57,6 @@ UNREACHABLE = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
 }
-AUTH_CODES = {  # envelope refusals that are not plain authentication failures
-    "wrong_run": grpc.StatusCode.FAILED_PRECONDITION,
-    "not_admitted": grpc.StatusCode.PERMISSION_DENIED,
-    "banned": grpc.StatusCode.PERMISSION_DENIED,
-}
 
 
 class PeerSilent(Exception):
@@ -75,34 +69,6 @@ class PeerSilent(Exception):
 
 class JoinError(RuntimeError):
     """No bootstrap address answered, or the swarm refused us (wrong run spec, not admitted)."""
-
-
-@dataclass
-class LocalStatus:
-    """What the training loop reports; read by Status RPCs, metrics and the demo."""
-
-    state: str = "joining"
-    inner_step: int = 0
-    outer_step: int = 0
-    loss: float = math.nan
-    eval_loss: float = math.nan
-    tokens_per_second: float = 0.0
-    compute_seconds: float = 0.0
-    compute_idle_seconds: float = 0.0
-    bytes_sent_raw: int = 0
-    bytes_sent_wire: int = 0
-    bytes_received_wire: int = 0
-    rounds_partial: int = 0
-    rounds_failed: int = 0
-    rejected_messages: int = 0
-    rejected_contributions: int = 0
-    solo_steps: int = 0
-    state_downloads: int = 0
-    forks_healed: int = 0
-    finished: bool = False
-    last_round: pb.RoundSummary | None = None
-    recent_rounds: deque = field(default_factory=lambda: deque(maxlen=1024))
-    history: deque = field(default_factory=lambda: deque(maxlen=64))  # dicts of OuterStepRecord fields
 
 
 class Daemon:
@@ -160,14 +126,21 @@ class Daemon:
         self.guard = ContributionGuard(cfg.robust)
         self.guard.compare_shards = cfg.run.algorithm != "ddp"
         self.limits = PeerLimits.from_config(sec)
-        self._refusal_log = LogThrottle()
-        self.gossip_suspects: set[str] = set()  # reported banned by a majority of live peers (robust.py)
-        self.verifier.gate = self._gate
-        self.membership.excluded = self._excluded
         self.status = LocalStatus()
+        self.metrics: Any = None
+        self.checks = RequestChecks(
+            me=self.me,
+            verifier=self.verifier,
+            admission=self.admission,
+            bans=self.bans,
+            limits=self.limits,
+            membership=self.membership,
+            status=self.status,
+            security=sec,
+            metrics=lambda: self.metrics,
+        )
         self.snapshot: StateSnapshot | None = None
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peerd-codec")
-        self.metrics: Any = None
         self._metrics_server: Any = None
         self.rounds: dict[bytes, Any] = {}
         self._round_events: dict[bytes, asyncio.Event] = {}
@@ -441,7 +414,7 @@ class Daemon:
         while not self._stopping.is_set():
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.membership.bump()
-            self._refresh_suspects()
+            self.checks.refresh_suspects()
             others = self.reach.dial_targets(self.membership.alive(include_self=False))
             self.reach.tick(others)
             targets = random.sample(others, min(3, len(others)))
@@ -503,7 +476,7 @@ class Daemon:
         for _ in range(self.membership.forged - before):
             self.count_rejected("forged_entry")
         if self.membership.forged > before:
-            shown, _ = self._refusal_log.allow("forged_entry")
+            shown, _ = self.checks.refusal_log.allow("forged_entry")
             if shown:
                 log.warning("refused gossip entries not signed by the peer they describe (forged_entry)")
         return new
@@ -516,89 +489,12 @@ class Daemon:
             _write_atomic(self.data_dir / "address", self.me.address)
             log.info("learned our public address from a joiner: %s", dialed)
 
-    # -- request checks ------------------------------------------------------------------------------------------
-    async def verify(self, msg: Any, method: str, context: grpc.aio.ServicerContext) -> str:
-        """Check a request's envelope, admission and bans, then charge the verified sender's rate budget."""
-        try:
-            sender = self.verifier.verify(method, msg)
-            self.limits.check_rate(f"key:{sender}")
-            return sender
-        except AuthError as exc:
-            await self.refuse(
-                context, exc.reason, AUTH_CODES.get(exc.reason, grpc.StatusCode.UNAUTHENTICATED), str(exc)
-            )
-        except LimitExceeded as exc:
-            await self.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
-
-    async def refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, msg: str) -> NoReturn:
-        self.count_rejected(reason)
-        shown, suppressed = self._refusal_log.allow(reason)
-        if shown:
-            more = f" ({suppressed} more refused for this reason were not logged)" if suppressed else ""
-            log.warning("refused a request (%s): %s%s", reason, msg, more)
-        await context.abort(code, msg)
-        raise AssertionError("unreachable")  # context.abort raises
-
-    async def admit(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> None:
-        """Admission control for a Join whose signature and run already checked out (peerd/admission.py). A refused
-        joiner gets the reason and nothing else: no peer list, no run state."""
-        try:
-            self._gate(request.auth)
-        except AuthError as exc:
-            await self.refuse(context, exc.reason, grpc.StatusCode.PERMISSION_DENIED, f"Join refused: {exc}")
-
-    def _gate(self, auth: pb.Auth) -> None:
-        """Verifier gate: may this key speak in this run at all? (bans first: they are the cheaper check)"""
-        pid = peer_id_of(auth.public_key)
-        if self.bans.is_banned(pid):
-            raise AuthError("banned", "banned: this peer sent invalid data repeatedly")
-        try:
-            self.admission.check(auth)
-        except AdmissionError as exc:
-            raise AuthError("not_admitted", str(exc)) from None
-
-    def _excluded(self, peer_id: str) -> bool:
-        """Left out of rounds and leader choice: banned by us, or reported banned by most of the swarm."""
-        return self.bans.is_banned(peer_id) or peer_id in self.gossip_suspects
-
-    def _refresh_suspects(self) -> None:
-        """Gossip our bans, and recompute whom a strict majority of live peers reports banned."""
-        banned = self.bans.banned()
-        if list(self.me.suspects) != banned:
-            del self.me.suspects[:]
-            self.me.suspects.extend(banned)
-        views = {e.info.peer_id: list(e.info.suspects) for e in self.membership.entries.values()
-                 if self.membership.is_alive(e.info.peer_id) or e.info.peer_id in self.gossip_suspects}  # fmt: skip
-        views[self.identity.peer_id] = banned
-        self.gossip_suspects = majority_suspects(views) - {self.identity.peer_id}
-
+    # -- request checks (peerd/checks.py) ------------------------------------------------------------------------
     def invalid_contribution(self, peer_id: str, reason: str) -> None:
-        """A round found `peer_id`'s signed data invalid (too large, undecodable): count it and maybe ban."""
-        self.count_rejected(reason)
-        self.suspect(peer_id, reason)
+        self.checks.invalid_contribution(peer_id, reason)
 
     def count_rejected(self, reason: str) -> None:
-        self.status.rejected_messages += 1
-        if self.metrics is not None:
-            self.metrics.record_rejected(reason)
-
-    def suspect(self, peer_id: str, reason: str) -> None:
-        """`peer_id` signed and sent invalid data. Offences it cannot deny (robust.STRIKE_REASONS) count towards a
-        ban; transport trouble does not."""
-        log.warning("peer %s sent invalid data (%s)", peer_id[:8], reason)
-        if reason not in STRIKE_REASONS or peer_id == self.identity.peer_id:
-            return
-        self.status.rejected_contributions += 1
-        if self.bans.strike(peer_id):
-            log.warning(
-                "banned peer %s for %.0fs: it sent invalid data %d times; its requests are refused and its id is "
-                "gossiped as suspect",
-                peer_id[:8],
-                self.cfg.security.ban_seconds,
-                self.cfg.security.ban_after,
-            )
-            self.membership.mark_unreachable(peer_id)
-            self._refresh_suspects()
+        self.checks.count_rejected(reason)
 
     def count_failure(self, reason: str) -> None:
         if self.metrics is not None:
@@ -1059,56 +955,8 @@ class Daemon:
             await asyncio.sleep(0.5)
         raise RoundFailed(f"no peer served state at step >= {min_step}: {errors[-3:]}")
 
-    # -- status --------------------------------------------------------------------------------------------------
     def status_message(self, redact: bool = False) -> pb.StatusResponse:
-        """This peer's view. `redact` (a caller not admitted to a non-open run) withholds every other peer's id and
-        address: the peer list, the live set and round membership."""
-        s = self.status
-        msg = pb.StatusResponse(
-            run_id=self.run_id.hex(),
-            peer_id=self.identity.peer_id,
-            address=self.me.address,
-            algorithm=self.cfg.run.algorithm,
-            codec=self.cfg.codec.name,
-            outer_step=s.outer_step,
-            inner_step=s.inner_step,
-            loss=s.loss,
-            eval_loss=s.eval_loss,
-            tokens_per_second=s.tokens_per_second,
-            peers=self.membership.gossip_view(),
-            alive=[p.peer_id for p in self.membership.alive()],
-            last_round=s.last_round,
-            bytes_sent_raw=s.bytes_sent_raw,
-            bytes_sent_wire=s.bytes_sent_wire,
-            bytes_received_wire=s.bytes_received_wire,
-            compute_idle_seconds=s.compute_idle_seconds,
-            compute_seconds=s.compute_seconds,
-            rounds_partial=s.rounds_partial,
-            rounds_failed=s.rounds_failed,
-            rejected_messages=s.rejected_messages,
-            solo_steps=s.solo_steps,
-            recent_rounds=list(s.recent_rounds)[-16:],
-            finished=s.finished,
-            state=s.state,
-            history=[pb.OuterStepRecord(**h) for h in list(s.history)[-16:]],
-            banned=self.bans.banned(),
-            rejected_contributions=s.rejected_contributions,
-            work=self.me.work,
-            state_downloads=s.state_downloads,
-            forks_healed=s.forks_healed,
-            alone_since=self.alone.status,
-            expected=self.membership.expected(),
-            reachability=self.reach.line(),
-            relayed_bytes=self.relay_server.relayed_bytes,
-        )
-        if redact:
-            msg.redacted = True
-            for name in ("peers", "alive", "banned", "expected"):
-                msg.ClearField(name)
-            for rnd in [*([msg.last_round] if msg.HasField("last_round") else []), *msg.recent_rounds]:
-                rnd.ClearField("included")
-                rnd.ClearField("expected")
-        return msg
+        return status_message(self, redact)
 
     # -- NoLoCo hooks (peerd.noloco installs `pairing`) -----------------------------------------------------------
     async def answer_match(self, request: pb.MatchRequest, sender: str) -> pb.MatchResponse:

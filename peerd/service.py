@@ -39,17 +39,19 @@ class MembershipService(rpc.MembershipServicer):
         try:
             sender = self.d.verifier.verify("Join", request, check_run=False)
         except AuthError as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self.d.checks.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if request.auth.run_id != self.d.run_id:
-            await self.d.refuse(context, "wrong_run", grpc.StatusCode.FAILED_PRECONDITION, self._spec_mismatch(request))
+            await self.d.checks.refuse(
+                context, "wrong_run", grpc.StatusCode.FAILED_PRECONDITION, self._spec_mismatch(request)
+            )
         if request.self.peer_id != sender or request.self.public_key != request.auth.public_key:
-            await self.d.refuse(
+            await self.d.checks.refuse(
                 context,
                 "forged",
                 grpc.StatusCode.PERMISSION_DENIED,
                 "Join: the peer info does not belong to the signing key",
             )
-        await self.d.admit(request, context)
+        await self.d.checks.admit(request, context)
         observed = _observed_host(context.peer())
         self.d.adopt_address(request.dialed_address)
         # The joiner's entry is signed by the joiner, so we store it as sent. One that does not know its address yet
@@ -78,13 +80,13 @@ class MembershipService(rpc.MembershipServicer):
         return f"run spec differs from this run's: {named}. Use the same run.toml as the other peers."
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
-        await self.d.verify(request, "Gossip", context)
+        await self.d.checks.verify(request, "Gossip", context)
         self.d.merge_gossip(request.peers)
         observed = _observed_host(context.peer())
         return pb.GossipResponse(peers=self.d.membership.gossip_view(), observed_address=observed)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
-        sender = await self.d.verify(request, "Leave", context)
+        sender = await self.d.checks.verify(request, "Leave", context)
         if request.self.peer_id == sender:
             self.d.membership.mark_left(request.self)
             self.d.log(f"peer {sender[:8]} left")
@@ -99,12 +101,12 @@ class MembershipService(rpc.MembershipServicer):
                 self.d.verifier.verify("Status", request)
                 full = True
             except AuthError as exc:
-                self.d.count_rejected(exc.reason)
+                self.d.checks.count_rejected(exc.reason)
         return self.d.status_message(redact=not full)
 
     async def Probe(self, request: pb.ProbeRequest, context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
         """Dial the sender back at its address (peerd/reachability.py)."""
-        sender = await self.d.verify(request, "Probe", context)
+        sender = await self.d.checks.verify(request, "Probe", context)
         return await self.d.reach.serve_probe(request, sender, context.peer())
 
     async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:
@@ -121,10 +123,10 @@ class RoundsService(rpc.RoundsServicer):
     async def Rendezvous(
         self, request: pb.RendezvousRequest, context: grpc.aio.ServicerContext
     ) -> pb.RendezvousResponse:
-        sender = await self.d.verify(request, "Rendezvous", context)
+        sender = await self.d.checks.verify(request, "Rendezvous", context)
         info = self.d.membership.get(sender)
         if info is None:
-            await self.d.refuse(
+            await self.d.checks.refuse(
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
         return await self.d.lead_rendezvous(request, info)
@@ -151,16 +153,16 @@ class RoundsService(rpc.RoundsServicer):
                 async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
                     yield msg
         except StopAsyncIteration:
-            await self.d.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
+            await self.d.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
         except LimitExceeded as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
+            await self.d.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
             sender = getattr(exc, "sender", None) or (verified if reason == "timeout" else None)
             if reason in ("banned", "not_admitted"):
                 if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now
                     self.d.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
-                await self.d.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
+                await self.d.checks.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
             if rnd is not None and sender is not None and sender in rnd.ids:
                 if reason == "truncated":
                     # A member whose own round just failed elsewhere cancels its streams: the break is no proof
@@ -169,15 +171,15 @@ class RoundsService(rpc.RoundsServicer):
                     rnd.abort(RoundFailed(f"contribution from {sender[:8]} broke off: {exc}"))
                 else:
                     rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
-                    self.d.suspect(sender, reason)
-            await self.d.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
+                    self.d.checks.suspect(sender, reason)
+            await self.d.checks.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))
         except TimeoutError:
             await context.abort(grpc.StatusCode.ABORTED, "round timed out")
 
     async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchResponse:
-        sender = await self.d.verify(request, "Match", context)
+        sender = await self.d.checks.verify(request, "Match", context)
         return await self.d.answer_match(request, sender)
 
     async def Exchange(
@@ -192,7 +194,7 @@ class RoundsService(rpc.RoundsServicer):
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
             code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
-            await self.d.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
+            await self.d.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"exchange failed: {exc}")
 
@@ -204,7 +206,7 @@ class StateService(rpc.StateServicer):
     async def Download(
         self, request: pb.StateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StateMessage]:
-        await self.d.verify(request, "Download", context)
+        await self.d.checks.verify(request, "Download", context)
         snap = self.d.snapshot
         if snap is None or snap.step < request.min_step:
             have = -1 if snap is None else snap.step
@@ -219,7 +221,7 @@ class StateService(rpc.StateServicer):
                     raise StreamError("malformed", "this state's tensors differ in size: ask for whole tensors")
                 ranges = check_ranges(list(request.ranges), sizes.pop())
             except StreamError as exc:
-                await self.d.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
+                await self.d.checks.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
         if faults.STATE_STALL_S:
             await asyncio.sleep(faults.STATE_STALL_S)
         for msg in state_messages(snap, self.d.identity, self.d.cfg.network.chunk_bytes, ranges):
