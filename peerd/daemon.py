@@ -25,7 +25,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from peerd import bootstrap, faults, reflection, tls
+from peerd import bootstrap, faults, reflection, statefetch, tls
 from peerd.admission import Admission
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -44,7 +44,7 @@ from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import BanList, ContributionGuard
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
-from peerd.statesync import StateSnapshot, part_digests, read_state
+from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
@@ -892,68 +892,7 @@ class Daemon:
         a state that outranks ours (a peer asked to resync never adopts a worse state than its own). With `base` (our
         state) and `parts` (its fragments' ranges), only the fragments whose gossiped digests differ from ours are
         downloaded and patched in; the whole-state digest is checked after patching."""
-        return self.call(self._fetch_state(min_step, expected, timeout, better, base, parts))
-
-    def _differing_ranges(
-        self, holder: pb.PeerInfo, base: dict[str, torch.Tensor] | None, parts: list[list[tuple[int, int]]] | None
-    ) -> list[tuple[int, int]] | None:
-        """The element ranges of the fragments where `holder`'s state differs from `base`; None: download it all."""
-        if not base or not parts or len(holder.part_digests) != len(parts):
-            return None
-        mine = part_digests(base, parts)
-        ranges = [r for p, theirs in enumerate(holder.part_digests) if theirs != mine[p] for r in parts[p]]
-        return ranges or None
-
-    async def _fetch_state(
-        self,
-        min_step: int,
-        expected: dict[str, tuple[int, ...]],
-        timeout: float,
-        better: bool = False,
-        base: dict[str, torch.Tensor] | None = None,
-        parts: list[list[tuple[int, int]]] | None = None,
-    ) -> StateSnapshot:
-        assert self.channels is not None
-        deadline = time.monotonic() + timeout
-        errors: list[str] = []
-        while time.monotonic() < deadline:
-            mine = self.my_claim()
-            live = [
-                p
-                for p in self.membership.alive(include_self=False)
-                if p.outer_step >= min_step
-                and p.state_digest
-                and dialable(p)
-                and (not better or outranks(claim_of(p), mine))
-            ]
-            if self.me.outbound_only and not await self.reach.wait_for_dialable(deadline - time.monotonic()):
-                break  # nobody we could download from
-            # The highest-ranked claim first (the split-brain rule), then the holders of the state most peers
-            # hold: among claims of equal rank, the one more peers vouch for.
-            votes: dict[bytes, int] = {}
-            for p in live:
-                votes[bytes(p.state_digest)] = votes.get(bytes(p.state_digest), 0) + 1
-            peers = sorted(live, key=lambda p: (claim_of(p).rank, votes[bytes(p.state_digest)]), reverse=True)
-            for p in peers:
-                ranges = self._differing_ranges(p, base, parts)
-                flat = [v for pair in ranges or () for v in pair]
-                req = sign(pb.StateRequest(min_step=min_step, ranges=flat), "Download", self.identity, self.run_id)
-                call = self.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
-                try:
-                    snap = await read_state(call.__aiter__(), expected, p.public_key, base, ranges)
-                    if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
-                        raise StreamError("bad_digest", "served state does not match the digest it gossiped")
-                except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
-                    errors.append(f"{p.peer_id[:8]}: {exc}")
-                    if isinstance(exc, StreamError):
-                        self.count_rejected(exc.reason)
-                    continue
-                what = f"{len(ranges)} changed slices" if ranges else "whole"
-                log.info("downloaded state at step %d (work %d, %s) from %s", snap.step, snap.work, what, p.peer_id[:8])
-                self.status.state_downloads += 1
-                return snap
-            await asyncio.sleep(0.5)
-        raise RoundFailed(f"no peer served state at step >= {min_step}: {errors[-3:]}")
+        return self.call(statefetch.fetch_state(self, min_step, expected, timeout, better, base, parts))
 
     def status_message(self, redact: bool = False) -> pb.StatusResponse:
         return status_message(self, redact)
