@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
-import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -25,7 +24,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from peerd import bootstrap, faults, reflection, statefetch, tls
+from peerd import faults, reflection, statefetch, tls
 from peerd.admission import Admission
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -33,17 +32,18 @@ from peerd.checks import RequestChecks
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
 from peerd.consistency import AloneTracker, Claim, best_claim, claim_of, outranks
+from peerd.datadir import write_atomic
 from peerd.envelope import Verifier, set_admission_prover, sign
+from peerd.gossip import Gossip
 from peerd.identity import Identity
 from peerd.limits import SERVER_OPTIONS, PeerLimits
 from peerd.localstatus import LocalStatus, status_message
 from peerd.membership import Membership
 from peerd.reachability import Reachability, dialable
-from peerd.redial import Redialer
 from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import BanList, ContributionGuard
-from peerd.service import MembershipService, RoundsService, StateService, _unspecified
+from peerd.service import MembershipService, RoundsService, StateService
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
@@ -65,10 +65,6 @@ class PeerSilent(Exception):
     def __init__(self, peer_id: str) -> None:
         super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
         self.peer_id = peer_id
-
-
-class JoinError(RuntimeError):
-    """No bootstrap address answered, or the swarm refused us (wrong run spec, not admitted)."""
 
 
 class Daemon:
@@ -153,15 +149,7 @@ class Daemon:
         self.leader: RendezvousLeader | None = None
         self.pairing: Any = None  # set by the NoLoCo algorithm
         self.alone = AloneTracker()
-        self.redialer = Redialer(
-            lambda: [p for p in self.membership.dead() if dialable(p)],  # outbound-only peers dial us again themselves
-            self._redial_peer,
-            self.bootstrap,
-            self._redial_bootstrap,
-            lambda addr: any(p.address == tls.parse_bootstrap(addr)[1] for p in self.membership.alive()),
-            net.gossip_interval,
-            net.redial_max,
-        )
+        self.gossip = Gossip(self)  # join, gossip and redial (peerd/gossip.py)
         self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
         self.relay_server, self.relay_client = RelayServer(self), RelayClient(self)  # peerd/relay.py
 
@@ -175,7 +163,7 @@ class Daemon:
         ready.wait()
         self.call(self._start_server())
         if self.bootstrap:
-            self.call(self._join(join_timeout, verbose=True))
+            self.call(self.gossip.join(join_timeout, verbose=True))
         self.call(self._start_background())
         self.status.state = "training"
         # Everything alive now (torch, grpc, the model) lives as long as the daemon: keep it out of the cyclic GC's
@@ -234,7 +222,7 @@ class Daemon:
         )
         self._start_metrics()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.data_dir / "address", self.me.address)
+        write_atomic(self.data_dir / "address", self.me.address)
         log.info("peer %s serving run %s on %s", self.identity.peer_id[:8], self.run_id.hex()[:8], self.me.address)
 
     def _start_metrics(self) -> None:
@@ -255,7 +243,7 @@ class Daemon:
         bound = self._metrics_server.start()
         shown = self.me.address.rsplit(":", 1)[0] if host in ("0.0.0.0", "", "::") else host
         self.me.metrics_address = f"{shown}:{bound}"
-        _write_atomic(self.data_dir / "metrics_address", self.me.metrics_address)
+        write_atomic(self.data_dir / "metrics_address", self.me.metrics_address)
 
     def _sd_targets(self) -> list[dict]:
         """Prometheus service discovery (metrics thread): reads the loop's published snapshot, never the table."""
@@ -267,9 +255,10 @@ class Daemon:
         ]
 
     async def _start_background(self) -> None:
+        assert self._stopping is not None
         self.membership.snapshot()
-        self._tasks.append(asyncio.ensure_future(self._gossip_loop()))
-        self._tasks.append(asyncio.ensure_future(self._redial_loop()))
+        self._tasks.append(asyncio.ensure_future(self.gossip.gossip_loop(self._stopping)))
+        self._tasks.append(asyncio.ensure_future(self.gossip.redial_loop(self._stopping)))
         self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
 
     def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> None:
@@ -320,174 +309,6 @@ class Daemon:
             # run first cut its partners' last round on slow links and made them retry without it.
             await self._server.stop(grace=drain)
         await self.channels.close()
-
-    # -- membership ----------------------------------------------------------------------------------------------
-    async def _join(self, timeout: float, verbose: bool = False) -> None:
-        """Join through the first bootstrap address that lets us in. An address where nothing answers is retried with
-        backoff until `timeout`; one that answers but is not a peerd peer, or refuses us, fails at once. `verbose`
-        (at start) logs each address's first failure, so a slow join is never silent; the gossip loop's healing
-        calls stay quiet."""
-        assert self.channels is not None
-        deadline = time.monotonic() + timeout
-        last = "no bootstrap address given"
-        warned: set[str] = set()
-        attempt = 0
-        while True:
-            for spec in self.bootstrap:
-                try:
-                    addr, peer = await self._bootstrap_address(spec)
-                    await self._join_one(addr, peer)
-                    return
-                except bootstrap.NotPeerd as exc:
-                    raise JoinError(
-                        f"bootstrap {spec} answered but is not a peerd peer: {exc}; check the host and port"
-                    ) from exc
-                except bootstrap.NoAnswer as exc:
-                    last = f"{spec}: {exc}"
-                    if verbose and spec not in warned:
-                        warned.add(spec)
-                        left = max(deadline - time.monotonic(), 0.0)
-                        log.warning("bootstrap %s: %s; retrying for up to %.0fs", spec, exc, left)
-            pause = bootstrap.backoff_s(attempt)
-            attempt += 1
-            if time.monotonic() + pause > deadline:
-                break
-            await asyncio.sleep(pause)
-        raise JoinError(
-            f"no bootstrap peer answered within {timeout:.0f}s ({last}); check that the peer runs and the address "
-            "is reachable, or wait longer with --join-timeout"
-        )
-
-    async def _join_one(self, addr: str, peer: pb.PeerInfo | None, timeout: float = 5.0) -> None:
-        """One Join call to a bootstrap address; NoAnswer when it cannot be reached, JoinError when refused. Before
-        the first Join the peer there dials us back, so our entry carries the reachability verdict from the start."""
-        assert self.channels is not None
-        await self.reach.before_join(addr)
-        req = sign(
-            pb.JoinRequest(self=self.membership.signed_self(), run_spec_json=self.cfg.spec_json(), dialed_address=addr),
-            "Join",
-            self.identity,
-            self.run_id,
-        )
-        try:
-            resp = await self.channels.membership(addr, peer).Join(req, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in UNREACHABLE or exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED):
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    raise bootstrap.NotPeerd("a gRPC server without peerd's Membership service") from exc
-                if self.tls is None:  # with TLS the certificate already showed a peer is there: just retry
-                    await bootstrap.classify(addr, secure=False)
-                raise bootstrap.NoAnswer(f"{exc.code().name} {exc.details()}") from exc
-            raise JoinError(f"{addr} refused us: {exc.details()}") from exc
-        if _unspecified(self.me.address) and resp.observed_address:
-            self.me.address = f"{resp.observed_address}:{self.me.address.rsplit(':', 1)[-1]}"
-            self.me.heartbeat += 1
-            _write_atomic(self.data_dir / "address", self.me.address)
-        self.merge_gossip(resp.peers)
-        log.info("joined through %s: %d peers known", addr, len(self.membership.alive()) - 1)
-
-    async def _bootstrap_address(self, spec: str) -> tuple[str, pb.PeerInfo | None]:
-        """'PEERID@host:port' or 'host:port' -> the address to dial and, with TLS, the peer found there: its
-        certificate is read and checked first (pinned to PEERID, or trusted on first use) so the Join goes only to
-        the peer it should. The Join dials with exactly that certificate: a stale one gossiped for the address
-        (the peer restarted with a new TLS key) would fail the handshake and fill the log with gRPC's complaints."""
-        assert self.channels is not None
-        pinned, addr = tls.parse_bootstrap(spec)
-        if self.tls is None:
-            if pinned is not None:
-                log.warning("--insecure: cannot check that %s is peer %s", addr, pinned[:8])
-            return addr, None
-        cert = await bootstrap.fetch_cert(addr, timeout=5.0)
-        pid = tls.verify_cert(cert)
-        if pinned is not None and pid != pinned:
-            raise JoinError(f"bootstrap {addr} is peer {pid}, not the expected {pinned}: refusing to join through it")
-        if pinned is None:
-            log.info(
-                "bootstrap %s is peer %s (trusted on first use; pin it with --bootstrap %s@%s)", addr, pid, pid, addr
-            )
-        self.channels.pin(addr, cert)
-        return addr, pb.PeerInfo(peer_id=pid, public_key=tls.bound_key(cert), tls_cert=cert, address=addr)
-
-    async def _gossip_loop(self) -> None:
-        assert self._stopping is not None
-        interval = self.cfg.network.gossip_interval
-        while not self._stopping.is_set():
-            await asyncio.sleep(interval * random.uniform(0.7, 1.0))
-            self.membership.bump()
-            self.checks.refresh_suspects()
-            others = self.reach.dial_targets(self.membership.alive(include_self=False))
-            self.reach.tick(others)
-            targets = random.sample(others, min(3, len(others)))
-            if targets:
-                await asyncio.gather(*(self._gossip_one(p) for p in targets))
-            view = self.membership.snapshot()
-            if self.metrics is not None:
-                self.metrics.known_peers.set(view.known)
-                self.metrics.alive_peers.set(len(view.alive))
-                self.metrics.expected_peers.set(len(view.expected))
-                self.metrics.work.set(self.me.work)
-
-    async def _redial_loop(self) -> None:
-        """Dead peers and bootstrap addresses, re-dialled with backoff for the life of the run (peerd/redial.py)."""
-        assert self._stopping is not None
-        while not self._stopping.is_set():
-            await asyncio.sleep(self.cfg.network.gossip_interval * random.uniform(0.5, 1.0))
-            before = self.redialer.dials
-            with contextlib.suppress(Exception):
-                await self.redialer.tick()
-            if self.metrics is not None and self.redialer.dials > before:
-                self.metrics.redials.inc(self.redialer.dials - before)
-
-    async def _redial_peer(self, peer: pb.PeerInfo) -> bool:
-        ok = await self._gossip_one(peer, mark=False)
-        if ok:
-            log.info("peer %s at %s answers again: rejoined its part of the swarm", peer.peer_id[:8], peer.address)
-        return ok
-
-    async def _redial_bootstrap(self, spec: str) -> bool:
-        try:
-            addr, peer = await self._bootstrap_address(spec)
-            await self._join_one(addr, peer, timeout=max(2.0, self.cfg.network.gossip_interval))
-        except (OSError, TimeoutError, tls.TlsError, bootstrap.NoAnswer, bootstrap.NotPeerd, JoinError):
-            return False
-        return True
-
-    async def _gossip_one(self, peer: pb.PeerInfo, mark: bool = True) -> bool:
-        assert self.channels is not None
-        req = sign(pb.GossipRequest(peers=self.membership.gossip_view()), "Gossip", self.identity, self.run_id)
-        try:
-            resp = await self.channels.membership(peer.address, peer).Gossip(
-                req, timeout=max(2.0, self.cfg.network.gossip_interval)
-            )
-        except grpc.aio.AioRpcError as exc:
-            if mark and exc.code() in UNREACHABLE:
-                self.membership.mark_unreachable(peer.peer_id)
-            self.count_sent("gossip", 0, req.ByteSize())
-            return False
-        self.count_sent("gossip", 0, req.ByteSize())
-        self.merge_gossip(resp.peers)
-        self.reach.observe(peer, resp.observed_address)
-        return True
-
-    def merge_gossip(self, peers: Any) -> list[str]:
-        """Merge gossiped entries; entries not signed by the peer they describe are refused and counted."""
-        before = self.membership.forged
-        new = self.membership.merge(peers)
-        for _ in range(self.membership.forged - before):
-            self.count_rejected("forged_entry")
-        if self.membership.forged > before:
-            shown, _ = self.checks.refusal_log.allow("forged_entry")
-            if shown:
-                log.warning("refused gossip entries not signed by the peer they describe (forged_entry)")
-        return new
-
-    def adopt_address(self, dialed: str) -> None:
-        """A joiner reached us at `dialed`: if we do not know our public address yet, that is it."""
-        if _unspecified(self.me.address) and dialed and not _unspecified(dialed):
-            self.me.address = dialed
-            self.me.heartbeat += 1
-            _write_atomic(self.data_dir / "address", self.me.address)
-            log.info("learned our public address from a joiner: %s", dialed)
 
     # -- request checks (peerd/checks.py) ------------------------------------------------------------------------
     def invalid_contribution(self, peer_id: str, reason: str) -> None:
@@ -616,7 +437,7 @@ class Daemon:
                     tried.add(target.peer_id)
                     target = None
                 else:
-                    self.merge_gossip([nxt])
+                    self.gossip.merge_gossip([nxt])
                     target = nxt
                 continue
             return resp
@@ -908,9 +729,3 @@ class Daemon:
             raise StreamError("unsupported", "this peer does not run NoLoCo")
         async for msg in self.pairing.serve(messages):
             yield msg
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -15,6 +15,7 @@ import grpc
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, suspects_metadata
+from peerd.bootstrap import unspecified
 from peerd.codecs import CodecError
 from peerd.config import spec_differences
 from peerd.envelope import AuthError
@@ -53,11 +54,11 @@ class MembershipService(rpc.MembershipServicer):
             )
         await self.d.checks.admit(request, context)
         observed = _observed_host(context.peer())
-        self.d.adopt_address(request.dialed_address)
+        self.d.gossip.adopt_address(request.dialed_address)
         # The joiner's entry is signed by the joiner, so we store it as sent. One that does not know its address yet
         # learns it from `observed_address` below and gossips a re-signed entry moments later.
-        if not _unspecified(request.self.address):
-            self.d.merge_gossip([request.self])
+        if not unspecified(request.self.address):
+            self.d.gossip.merge_gossip([request.self])
         self.d.log(f"peer {sender[:8]} joined from {request.self.address}")
         return pb.JoinResponse(
             run_id=self.d.run_id,
@@ -81,7 +82,7 @@ class MembershipService(rpc.MembershipServicer):
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
         await self.d.checks.verify(request, "Gossip", context)
-        self.d.merge_gossip(request.peers)
+        self.d.gossip.merge_gossip(request.peers)
         observed = _observed_host(context.peer())
         return pb.GossipResponse(peers=self.d.membership.gossip_view(), observed_address=observed)
 
@@ -233,11 +234,6 @@ async def _prepend(first: pb.TensorMessage, rest: AsyncIterator[pb.TensorMessage
     yield first
     async for msg in rest:
         yield msg
-
-
-def _unspecified(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host in ("", "0.0.0.0", "::")
 
 
 def _observed_host(peer: str) -> str:
