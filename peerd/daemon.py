@@ -15,7 +15,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,12 +26,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peerd import faults, reflection, statefetch, tls
 from peerd.admission import Admission
-from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
+from peerd.allreduce import RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
 from peerd.checks import RequestChecks
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
-from peerd.consistency import AloneTracker, Claim, best_claim, claim_of, outranks
+from peerd.consistency import AloneTracker, Claim, best_claim, claim_of
 from peerd.datadir import write_atomic
 from peerd.envelope import Verifier, set_admission_prover, sign
 from peerd.gossip import Gossip
@@ -41,8 +41,9 @@ from peerd.localstatus import LocalStatus, status_message
 from peerd.membership import Membership
 from peerd.reachability import Reachability, dialable
 from peerd.relay import RelayClient, RelayServer
-from peerd.rendezvous import Behind, RendezvousLeader
+from peerd.rendezvous import RendezvousLeader
 from peerd.robust import BanList, ContributionGuard
+from peerd.roundclient import RoundClient
 from peerd.service import MembershipService, RoundsService, StateService
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
@@ -57,14 +58,6 @@ UNREACHABLE = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
 }
-
-
-class PeerSilent(Exception):
-    """A peer a pending call depends on went silent in gossip (a split, or it died): give up on the call now."""
-
-    def __init__(self, peer_id: str) -> None:
-        super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
-        self.peer_id = peer_id
 
 
 class Daemon:
@@ -138,8 +131,6 @@ class Daemon:
         self.snapshot: StateSnapshot | None = None
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peerd-codec")
         self._metrics_server: Any = None
-        self.rounds: dict[bytes, Any] = {}
-        self._round_events: dict[bytes, asyncio.Event] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -150,6 +141,7 @@ class Daemon:
         self.pairing: Any = None  # set by the NoLoCo algorithm
         self.alone = AloneTracker()
         self.gossip = Gossip(self)  # join, gossip and redial (peerd/gossip.py)
+        self.round_client = RoundClient(self)  # rendezvous and rounds (peerd/roundclient.py)
         self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
         self.relay_server, self.relay_client = RelayServer(self), RelayClient(self)  # peerd/relay.py
 
@@ -328,32 +320,7 @@ class Daemon:
     def log(self, msg: str) -> None:
         log.info(msg)
 
-    # -- rendezvous and rounds -----------------------------------------------------------------------------------
-    async def lead_rendezvous(self, request: pb.RendezvousRequest, info: pb.PeerInfo) -> pb.RendezvousResponse:
-        assert self.leader is not None
-        if request.fragment < 0 and self.status.outer_step < request.step <= self._plausible_step() + 1:
-            # Only a step the swarm could be at closes earlier groups: one peer claiming step 10**9 must not make
-            # every pending group resync (the median of live peers' gossiped steps cannot be moved by a minority).
-            self.leader.on_ahead(request.step)
-        # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
-        # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
-        # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
-        # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
-        excluded = set(request.suspects) - {self.identity.peer_id}
-        leader = next(p for p in self.membership.alive() if p.peer_id not in excluded and dialable(p))
-        if leader.peer_id < self.identity.peer_id:
-            return pb.RendezvousResponse(redirect=leader)
-        theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
-        behind = self.status.outer_step > request.step and outranks(self.my_claim(), theirs)
-        lineage = bytes(request.state_digest) if self.ranked else b""
-        return await self.leader.join(
-            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind, lineage
-        )
-
-    def _plausible_step(self) -> int:
-        steps = sorted(p.outer_step for p in self.membership.alive())
-        return steps[(len(steps) - 1) // 2] if steps else self.status.outer_step  # the lower median
-
+    # -- rounds (peerd/roundclient.py) ----------------------------------------------------------------------------
     @property
     def ranked(self) -> bool:
         """DiLoCo and Streaming keep one model per run: states are ranked and rounds grouped by lineage."""
@@ -363,270 +330,24 @@ class Daemon:
         """What we hold: (work, step, digest) of the state we published (read on the loop)."""
         return Claim(int(self.me.work), int(self.me.outer_step), bytes(self.me.state_digest), self.identity.peer_id)
 
-    async def _rendezvous(
-        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes
-    ) -> pb.RendezvousResponse:
-        assert self.leader is not None and self.channels is not None
-        tried = set(suspects)
-        gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
-        # us back to a peer it has not noticed is dead (that made two survivors lead groups of one each)
-        target: pb.PeerInfo | None = None
-        # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
-        # here made members give up on a live leader, lead themselves and split the swarm.
-        timeout = 3 * self.cfg.network.rendezvous_timeout + 10.0
-        for _ in range(16):
-            if target is None:
-                # outbound-only peers never lead: nobody could dial them
-                candidates = [p for p in self.membership.settled() if p.peer_id not in tried and dialable(p)]
-                if not candidates and self.me.outbound_only:
-                    if await self.reach.wait_for_dialable(self.cfg.network.rendezvous_timeout):
-                        continue
-                    raise RoundFailed("no reachable peer to lead the round: this peer cannot be dialled either")
-                target = candidates[0] if candidates else self.me
-                if target.peer_id == self.identity.peer_id:
-                    # The rule a leader applies to others applies to us: lead only while no lower live peer exists,
-                    # settled or not, or we would wait in a group everyone else is redirected away from.
-                    lower = [
-                        p
-                        for p in self.membership.alive()
-                        if p.peer_id < target.peer_id and p.peer_id not in tried and dialable(p)
-                    ]
-                    target = lower[0] if lower else target
-            if target.peer_id == self.identity.peer_id:
-                lineage = bytes(self.me.state_digest) if self.ranked else b""
-                return await self.leader.join(step, fragment, self.me, sorted(suspects), failed_round, False, lineage)
-            mine = self.my_claim()
-            req = sign(
-                pb.RendezvousRequest(
-                    step=step,
-                    attempt=attempt,
-                    suspects=sorted(suspects | gone),
-                    fragment=fragment,
-                    failed_round=failed_round,
-                    work=mine.work,
-                    state_digest=mine.digest,
-                ),
-                "Rendezvous",
-                self.identity,
-                self.run_id,
-            )
-            try:
-                call = self.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
-                resp = await self._unless_silent(call, [target.peer_id])
-            except PeerSilent as exc:
-                log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
-                tried.add(target.peer_id)
-                gone.add(target.peer_id)
-                target = None
-                continue
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in UNREACHABLE:
-                    raise RoundFailed(f"rendezvous refused by {target.peer_id[:8]}: {exc.details()}") from exc
-                log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
-                tried.add(target.peer_id)
-                gone.add(target.peer_id)
-                self.membership.mark_unreachable(target.peer_id)
-                target = None
-                continue
-            if resp.WhichOneof("result") == "redirect":
-                nxt = resp.redirect
-                if nxt.peer_id in gone:  # it has not noticed yet: ask again, naming the dead leader
-                    await asyncio.sleep(0.05)
-                    continue
-                if nxt.peer_id >= target.peer_id or nxt.peer_id in tried:
-                    tried.add(target.peer_id)
-                    target = None
-                else:
-                    self.gossip.merge_gossip([nxt])
-                    target = nxt
-                continue
-            return resp
-        raise RoundFailed("rendezvous did not settle on a leader")
-
-    async def wait_round(self, round_id: bytes) -> Any:
-        """A member may start streaming to us before our own rendezvous answer arrived: wait for it, briefly."""
-        rnd = self.rounds.get(round_id)
-        if rnd is not None:
-            return rnd
-        if len(self._round_events) > 256:
-            return None
-        ev = self._round_events.setdefault(round_id, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), self.cfg.network.rendezvous_timeout + 10.0)
-        self._round_events.pop(round_id, None)
-        return self.rounds.get(round_id)
-
-    async def _unless_silent(self, work: Any, peers: list[str], on_silent: Callable[[str], None] | None = None) -> Any:
-        """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
-        twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
-        the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
-        Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
-        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent)."""
-        task = asyncio.ensure_future(work)
-        limit = 2 * self.cfg.network.peer_timeout
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.cfg.network.gossip_interval)
-                if done:
-                    return task.result()
-                silent = next((pid for pid in peers if self.membership.silent_for(pid) > limit), None)
-                if silent is not None:
-                    if on_silent is None:
-                        raise PeerSilent(silent)
-                    on_silent(silent)
-                    peers = [p for p in peers if p != silent]
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-
-    def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
-        """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
-        rnd = self.rounds.get(round_id)
-        if isinstance(rnd, ReduceRound) and peer_id in rnd.ids:
-            rnd.abort(RoundFailed(f"member {peer_id[:8]} is refused here ({reason})", {peer_id}, reason))
-
-    def register_round(self, round_id: bytes, rnd: Any) -> None:
-        assert self.loop is not None
-        self.rounds[round_id] = rnd
-        ev = self._round_events.get(round_id)
-        if ev is not None:
-            ev.set()
-        self.loop.call_later(self.cfg.network.round_timeout, self.rounds.pop, round_id, None)
-
-    def stub_for(self, member: pb.PeerInfo) -> Any:
-        assert self.channels is not None
-        return self.channels.rounds(member.address, member)
-
     def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
         """Average `vector` (1-D fp32, any device) with the peers ready for `step`. Raises Behind when the swarm has
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
-        return self.call(self._allreduce(step, vector, fragment, want_decoded))
+        return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded))
 
     def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
         """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
         result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be modified until it is done."""
         assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(self._allreduce(step, vector, fragment), self.loop)
-
-    async def _allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
-    ) -> RoundResult:
-        suspects: set[str] = set()
-        failed_round = b""
-        t0 = time.perf_counter()
-        for attempt in range(6):
-            t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round)
-            if resp.WhichOneof("result") == "behind":
-                raise Behind(resp.behind)
-            group = resp.group
-            rendezvous_s = time.perf_counter() - t_rv
-            rnd = ReduceRound(
-                group,
-                self.identity,
-                self.run_id,
-                vector,
-                self.codec,
-                self.executor,
-                self.cfg.network.round_timeout,
-                self.cfg.network.chunk_bytes,
-                want_decoded,
-                guard=self.guard,
-                on_invalid=self.invalid_contribution,
-            )
-            self.register_round(group.round_id, rnd)
-            # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
-            # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
-            try:
-                result = await self._unless_silent(
-                    rnd.run(self.stub_for, self.verifier),
-                    [m.peer_id for m in group.members],
-                    lambda pid, rnd=rnd: rnd.abort(RoundFailed(f"member {pid[:8]} went silent", {pid}, "peer_lost")),
-                )
-            except RoundFailed as exc:
-                failed_round = bytes(group.round_id)
-                self.status.rounds_failed += 1
-                if self.metrics is not None:
-                    self.metrics.record_failure(exc.reason)
-                    self.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
-                suspects |= exc.suspects - {self.identity.peer_id}
-                if exc.reason != "aborted":  # "aborted" suspects are another member's word: skip them, no more
-                    for s in exc.suspects:
-                        self.membership.mark_unreachable(s)
-                log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
-                await asyncio.sleep(0.1 * (attempt + 1))
-                continue
-            result.stats.seconds = time.perf_counter() - t0
-            # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
-            # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
-            assert self.loop is not None
-            self.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
-            if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
-                for m in group.members:
-                    self.membership.note_step(m.peer_id, step + 1)
-            self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
-            return result
-        raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
+        return asyncio.run_coroutine_threadsafe(self.round_client.allreduce(step, vector, fragment), self.loop)
 
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
     ) -> None:
-        s = result.stats
-        # DiLoCo and Streaming rounds (recorded on the loop) are judged against the run, not the shrunken live set:
-        # peers seen live within network.forget_after count as expected, so a round held by one half of a split is
-        # partial, and a round of one is a solo step. NoLoCo's rounds are pairs by design and judged by their group
-        # (recorded from the training thread, which never reads the table); it counts its own solo steps.
-        run_level = self.cfg.run.algorithm in ("diloco", "streaming")
-        expected = sorted(set(group.expected) | set(self.membership.expected())) if run_level else list(group.expected)
-        partial = result.partial or len(set(result.included)) < len(expected)
-        solo = len(set(result.included)) <= 1
-        solo_step = run_level and solo  # NoLoCo keeps its old accounting: a lost partner is a partial step
-        summary = pb.RoundSummary(
-            step=group.step,
-            algorithm=self.cfg.run.algorithm,
-            included=result.included,
-            expected=expected,
-            partial=partial,
-            raw_bytes=s.raw_bytes,
-            wire_bytes=s.wire_bytes,
-            seconds=s.seconds,
-            note=note,
-            fragment=fragment,
-        )
-        self.status.last_round = summary
-        self.status.recent_rounds.append(summary)
-        self.status.bytes_sent_raw += s.raw_bytes
-        self.status.bytes_sent_wire += s.wire_bytes
-        self.status.bytes_received_wire += s.received_wire_bytes
-        if run_level:  # NoLoCo says "no partner ...; stepped alone" for each such step itself
-            self.note_alone(len(set(result.included)), len(expected))
-        if solo_step:
-            self.status.solo_steps += 1
-        elif partial:
-            self.status.rounds_partial += 1
-            missing = sorted(set(expected) - set(result.included))
-            log.warning(
-                "step %d: PARTIAL round: averaged %d of %d expected peers (missing %s)",
-                group.step,
-                len(result.included),
-                len(expected),
-                [m[:8] for m in missing],
-            )
-        if self.metrics is not None:
-            m = self.metrics
-            outcome = "solo" if solo_step or (solo and not partial) else ("partial" if partial else "complete")
-            m.record_round(
-                outcome,
-                peers=len(result.included),
-                total_seconds=s.seconds,
-                rendezvous_seconds=rendezvous_s,
-                exchange_seconds=max(s.seconds - rendezvous_s, 0.0),
-            )
-            kind = "pair" if self.cfg.run.algorithm == "noloco" else "reduce"
-            m.record_sent(kind, s.raw_bytes, s.wire_bytes)
-            m.record_received(kind, s.received_wire_bytes * s.raw_bytes // max(s.wire_bytes, 1), s.received_wire_bytes)
+        self.round_client.record_round(group, result, fragment, note=note, rendezvous_s=rendezvous_s)
+
+    def note_alone(self, included: int, expected: int) -> None:
+        self.round_client.note_alone(included, expected)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def publish(self, snapshot: StateSnapshot, finished: bool = False) -> None:
@@ -692,13 +413,6 @@ class Daemon:
             return len(self.membership.alive(include_self=False)), len(self.membership.expected()) - 1
 
         return self.call(count(), timeout=10.0)
-
-    def note_alone(self, included: int, expected: int) -> None:
-        line = self.alone.update(included, expected)
-        if line is not None:
-            (log.warning if included <= 1 else log.info)(line)
-        if self.metrics is not None:
-            self.metrics.alone.set(1 if self.alone.alone_since is not None else 0)
 
     def fetch_state(
         self,

@@ -130,7 +130,7 @@ class RoundsService(rpc.RoundsServicer):
             await self.d.checks.refuse(
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
-        return await self.d.lead_rendezvous(request, info)
+        return await self.d.round_client.lead_rendezvous(request, info)
 
     async def Reduce(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
@@ -148,7 +148,7 @@ class RoundsService(rpc.RoundsServicer):
             key = f"key:{sender}"
             self.d.limits.check_rate(key)
             with self.d.limits.stream(key), self.d.limits.inflight(key, first.header.wire_bytes):
-                rnd = await self.d.wait_round(first.header.round_id)
+                rnd = await self.d.round_client.wait_round(first.header.round_id)
                 if rnd is None:
                     raise StreamError("unknown_round", "Reduce: no such round here")
                 async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
@@ -162,7 +162,9 @@ class RoundsService(rpc.RoundsServicer):
             sender = getattr(exc, "sender", None) or (verified if reason == "timeout" else None)
             if reason in ("banned", "not_admitted"):
                 if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now
-                    self.d.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
+                    self.d.round_client.fail_round_with(
+                        first.header.round_id, peer_id_of(first.header.auth.public_key), reason
+                    )
                 await self.d.checks.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
             if rnd is not None and sender is not None and sender in rnd.ids:
                 if reason == "truncated":
