@@ -184,9 +184,29 @@ class Daemon:
         )
         from peerd.v1 import peerd_pb2_grpc as rpc
 
-        rpc.add_MembershipServicer_to_server(MembershipService(self), server)
-        rpc.add_RoundsServicer_to_server(RoundsService(self), server)
-        rpc.add_StateServicer_to_server(StateService(self), server)
+        checks, membership = self.checks, self.membership
+        membership_service = MembershipService(
+            checks=checks,
+            membership=membership,
+            gossip=self.gossip,
+            reach=self.reach,
+            cfg=self.cfg,
+            run_id=self.run_id,
+            status=self.status_message,
+        )
+        rounds_service = RoundsService(
+            checks=checks, membership=membership, rounds=self.round_client, pair=self, cfg=self.cfg
+        )
+        state_service = StateService(
+            checks=checks,
+            identity=self.identity,
+            cfg=self.cfg,
+            snapshot=lambda: self.snapshot,
+            count_sent=self.count_sent,
+        )
+        rpc.add_MembershipServicer_to_server(membership_service, server)
+        rpc.add_RoundsServicer_to_server(rounds_service, server)
+        rpc.add_StateServicer_to_server(state_service, server)
         rpc.add_RelayServicer_to_server(self.relay_server, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -316,9 +336,6 @@ class Daemon:
     def count_sent(self, kind: str, raw: int, wire: int) -> None:
         if self.metrics is not None:
             self.metrics.record_sent(kind, raw, wire)
-
-    def log(self, msg: str) -> None:
-        log.info(msg)
 
     # -- rounds (peerd/roundclient.py) ----------------------------------------------------------------------------
     @property
