@@ -4,6 +4,10 @@ training loop calls (run a round, download state, publish state).
 The training loop runs on the main thread and never touches the event loop directly: it calls the `Daemon` methods
 below, which schedule coroutines on the loop and wait for their result. So the trainer waits on the network only where
 the algorithm needs it, and that wait is what the loop measures as compute-idle time.
+
+The daemon owns the loop, the server and the shared state (config, identity, peer table, status), and wires the
+parts that do the work: request checks (checks.py), joining and gossip (gossip.py), rounds (roundclient.py), state
+downloads (statefetch.py), the servicers (service.py) and this peer's status (localstatus.py).
 """
 
 from __future__ import annotations
@@ -322,7 +326,7 @@ class Daemon:
             await self._server.stop(grace=drain)
         await self.channels.close()
 
-    # -- request checks (peerd/checks.py) ------------------------------------------------------------------------
+    # -- counters (the request checks themselves live in peerd/checks.py) ---------------------------------------
     def invalid_contribution(self, peer_id: str, reason: str) -> None:
         self.checks.invalid_contribution(peer_id, reason)
 
