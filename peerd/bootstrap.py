@@ -127,3 +127,9 @@ async def fetch_cert(address: str, timeout: float = 5.0) -> bytes:
     except tls.TlsError as exc:
         raise NotPeerd(f"presented a certificate that is not a peerd peer's ({exc})") from exc
     return cert
+
+
+def unspecified(address: str) -> bool:
+    """Is `address` a wildcard (0.0.0.0, ::, or no host), i.e. not yet an address others could dial?"""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("", "0.0.0.0", "::")

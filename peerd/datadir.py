@@ -71,3 +71,10 @@ def prepare(data_dir: Path) -> DataDirLock:
     """Everything `peerd start` needs from the data dir before it opens a port: writable, and ours alone."""
     check_writable(data_dir)
     return lock(data_dir)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file (our address, our metrics address) so readers never see it half-written."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

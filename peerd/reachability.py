@@ -260,7 +260,7 @@ class Reachability:
             why = f"refused: {host} is not the host this request came from ({observed or 'unknown'})"
             return pb.ProbeResponse(result=why, address=address, observed_address=observed)
         if not self.limiter.allow(sender, observed):
-            self.d.count_rejected("rate_limited")
+            self.d.checks.count_rejected("rate_limited")
             return pb.ProbeResponse(result="refused: rate limited", address=address, observed_address=observed)
         self.limiter.running += 1
         try:

@@ -107,11 +107,13 @@ class RelayServer(rpc.RelayServicer):
             sender = self.d.verifier.verify(method, first)
             self.d.limits.check_rate(f"key:{sender}")
         except (StopAsyncIteration, TimeoutError, StreamError):
-            await self.d.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no first frame")
+            await self.d.checks.refuse(
+                context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no first frame"
+            )
         except AuthError as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await self.d.checks.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
         except LimitExceeded as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
+            await self.d.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
         if not self.d.cfg.network.relay or self.d.me.outbound_only:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{method}: this peer does not relay")
         return first, sender
@@ -123,7 +125,7 @@ class RelayServer(rpc.RelayServicer):
         _, sender = await self._first(it, "RelayAttach", context)
         net = self.d.cfg.network
         if sender not in self.attached and len(self.attached) >= net.relay_max_peers:
-            await self.d.refuse(
+            await self.d.checks.refuse(
                 context,
                 "rate_limited",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -173,11 +175,11 @@ class RelayServer(rpc.RelayServicer):
         if att is None or att.closed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"Forward: {first.target[:8]} is not attached here")
         if first.method not in METHODS:
-            await self.d.refuse(
+            await self.d.checks.refuse(
                 context, "malformed", grpc.StatusCode.INVALID_ARGUMENT, f"Forward: cannot relay {first.method[:40]!r}"
             )
         if len(att.calls) >= MAX_CALLS_PER_PEER:
-            await self.d.refuse(
+            await self.d.checks.refuse(
                 context,
                 "rate_limited",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -220,7 +222,7 @@ class RelayServer(rpc.RelayServicer):
         except (StopAsyncIteration, StreamError, TimeoutError):
             await att.outbox.put(pb.RelayFrame(call=call, end=True))
         except LimitExceeded as exc:
-            self.d.count_rejected("rate_limited")
+            self.d.checks.count_rejected("rate_limited")
             q = att.calls.get(call)
             if q is not None:
                 q.put_nowait(pb.RelayFrame(error=str(exc)))
@@ -311,7 +313,7 @@ class RelayClient:
                 await outbox.put(pb.RelayFrame(call=call, payload=msg.SerializeToString()))
             await outbox.put(pb.RelayFrame(call=call, end=True))
         except (AuthError, LimitExceeded, StreamError, CodecError, DecodeError) as exc:  # one line to the caller
-            d.count_rejected(getattr(exc, "reason", "malformed"))
+            d.checks.count_rejected(getattr(exc, "reason", "malformed"))
             await outbox.put(pb.RelayFrame(call=call, error=f"{method} refused: {str(exc)[:200]}"))
         except Exception as exc:  # RoundFailed, a broken stream: the caller hears why, we go on serving
             await outbox.put(pb.RelayFrame(call=call, error=f"{method} failed: {str(exc)[:200]}"))

@@ -1,20 +1,25 @@
-"""gRPC servicers: turn RPCs into calls on the daemon, and every bad request into a clear status code plus a count.
+"""gRPC servicers: turn RPCs into calls on the daemon's parts, and every bad request into a clear status code plus a
+count.
 
 Handlers never let a malformed or hostile request escape as an unhandled exception: it is refused with a status and a
-message that says why, counted by reason, and the daemon goes on serving.
+message that says why, counted by reason (peerd/checks.py), and the daemon goes on serving. Each servicer is handed
+the few collaborators it needs (request checks, the peer table, gossip, the round client, the state we serve), not
+the daemon: this module does not import peerd/daemon.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, suspects_metadata
+from peerd.bootstrap import unspecified
 from peerd.codecs import CodecError
 from peerd.config import spec_differences
 from peerd.envelope import AuthError
@@ -26,45 +31,80 @@ from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
 if TYPE_CHECKING:
-    from peerd.daemon import Daemon
+    from peerd.checks import RequestChecks
+    from peerd.config import RunConfig
+    from peerd.gossip import Gossip
+    from peerd.identity import Identity
+    from peerd.membership import Membership
+    from peerd.reachability import Reachability
+    from peerd.roundclient import RoundClient
+    from peerd.statesync import StateSnapshot
 
+log = logging.getLogger("peerd")
 MAX_SPEC_JSON = 64 * 1024
 
 
+class PairEndpoint(Protocol):
+    """NoLoCo's side of the Rounds service (the daemon routes it to its pairing engine, if it runs one)."""
+
+    async def answer_match(self, request: pb.MatchRequest, sender: str) -> pb.MatchResponse: ...
+
+    def serve_exchange(self, messages: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]: ...
+
+
 class MembershipService(rpc.MembershipServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(
+        self,
+        *,
+        checks: RequestChecks,
+        membership: Membership,
+        gossip: Gossip,
+        reach: Reachability,
+        cfg: RunConfig,
+        run_id: bytes,
+        status: Callable[[bool], pb.StatusResponse],
+    ) -> None:
+        """`status(redact)` builds this peer's StatusResponse (peerd/localstatus.py)."""
+        self.checks = checks
+        self.membership = membership
+        self.gossip = gossip
+        self.reach = reach
+        self.cfg = cfg
+        self.run_id = run_id
+        self.status = status
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
         try:
-            sender = self.d.verifier.verify("Join", request, check_run=False)
+            sender = self.checks.verifier.verify("Join", request, check_run=False)
         except AuthError as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        if request.auth.run_id != self.d.run_id:
-            await self.d.refuse(context, "wrong_run", grpc.StatusCode.FAILED_PRECONDITION, self._spec_mismatch(request))
+            await self.checks.refuse(context, exc.reason, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if request.auth.run_id != self.run_id:
+            await self.checks.refuse(
+                context, "wrong_run", grpc.StatusCode.FAILED_PRECONDITION, self._spec_mismatch(request)
+            )
         if request.self.peer_id != sender or request.self.public_key != request.auth.public_key:
-            await self.d.refuse(
+            await self.checks.refuse(
                 context,
                 "forged",
                 grpc.StatusCode.PERMISSION_DENIED,
                 "Join: the peer info does not belong to the signing key",
             )
-        await self.d.admit(request, context)
+        await self.checks.admit(request, context)
         observed = _observed_host(context.peer())
-        self.d.adopt_address(request.dialed_address)
+        self.gossip.adopt_address(request.dialed_address)
         # The joiner's entry is signed by the joiner, so we store it as sent. One that does not know its address yet
         # learns it from `observed_address` below and gossips a re-signed entry moments later.
-        if not _unspecified(request.self.address):
-            self.d.merge_gossip([request.self])
-        self.d.log(f"peer {sender[:8]} joined from {request.self.address}")
+        if not unspecified(request.self.address):
+            self.gossip.merge_gossip([request.self])
+        log.info("peer %s joined from %s", sender[:8], request.self.address)
         return pb.JoinResponse(
-            run_id=self.d.run_id,
-            peers=self.d.membership.gossip_view(),
+            run_id=self.run_id,
+            peers=self.membership.gossip_view(),
             observed_address=observed,
         )
 
     def _spec_mismatch(self, request: pb.JoinRequest) -> str:
-        mine = json.loads(self.d.cfg.spec_json())
+        mine = json.loads(self.cfg.spec_json())
         try:
             if len(request.run_spec_json) > MAX_SPEC_JSON:
                 raise ValueError("too large")
@@ -78,62 +118,74 @@ class MembershipService(rpc.MembershipServicer):
         return f"run spec differs from this run's: {named}. Use the same run.toml as the other peers."
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
-        await self.d.verify(request, "Gossip", context)
-        self.d.merge_gossip(request.peers)
+        await self.checks.verify(request, "Gossip", context)
+        self.gossip.merge_gossip(request.peers)
         observed = _observed_host(context.peer())
-        return pb.GossipResponse(peers=self.d.membership.gossip_view(), observed_address=observed)
+        return pb.GossipResponse(peers=self.membership.gossip_view(), observed_address=observed)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
-        sender = await self.d.verify(request, "Leave", context)
+        sender = await self.checks.verify(request, "Leave", context)
         if request.self.peer_id == sender:
-            self.d.membership.mark_left(request.self)
-            self.d.log(f"peer {sender[:8]} left")
+            self.membership.mark_left(request.self)
+            log.info("peer %s left", sender[:8])
         return pb.LeaveResponse()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
         """Open runs answer anyone. Other runs show the peer list only to a request signed by an admitted peer: a
         refused client learns this peer's own counters, not who else is in the swarm."""
-        full = self.d.admission.open
+        full = self.checks.admission.open
         if not full and request.HasField("auth"):
             try:
-                self.d.verifier.verify("Status", request)
+                self.checks.verifier.verify("Status", request)
                 full = True
             except AuthError as exc:
-                self.d.count_rejected(exc.reason)
-        return self.d.status_message(redact=not full)
+                self.checks.count_rejected(exc.reason)
+        return self.status(not full)
 
     async def Probe(self, request: pb.ProbeRequest, context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
         """Dial the sender back at its address (peerd/reachability.py)."""
-        sender = await self.d.verify(request, "Probe", context)
-        return await self.d.reach.serve_probe(request, sender, context.peer())
+        sender = await self.checks.verify(request, "Probe", context)
+        return await self.reach.serve_probe(request, sender, context.peer())
 
     async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:
-        signature = self.d.reach.echo(request)
+        signature = self.reach.echo(request)
         if signature is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "ProbeEcho: no probe of ours in flight uses this nonce")
         return pb.ProbeEchoResponse(signature=signature)
 
 
 class RoundsService(rpc.RoundsServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(
+        self,
+        *,
+        checks: RequestChecks,
+        membership: Membership,
+        rounds: RoundClient,
+        pair: PairEndpoint,
+        cfg: RunConfig,
+    ) -> None:
+        self.checks = checks
+        self.membership = membership
+        self.rounds = rounds
+        self.pair = pair
+        self.cfg = cfg
 
     async def Rendezvous(
         self, request: pb.RendezvousRequest, context: grpc.aio.ServicerContext
     ) -> pb.RendezvousResponse:
-        sender = await self.d.verify(request, "Rendezvous", context)
-        info = self.d.membership.get(sender)
+        sender = await self.checks.verify(request, "Rendezvous", context)
+        info = self.membership.get(sender)
         if info is None:
-            await self.d.refuse(
+            await self.checks.refuse(
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
-        return await self.d.lead_rendezvous(request, info)
+        return await self.rounds.lead_rendezvous(request, info)
 
     async def Reduce(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TensorMessage]:
         # Every message must arrive within read_timeout (slow-loris); limits are charged to the verified sender.
-        it = paced(request_iterator, self.d.limits.read_timeout).__aiter__()
+        it = paced(request_iterator, self.checks.limits.read_timeout).__aiter__()
         rnd = None
         verified: str | None = None
         first: pb.TensorMessage | None = None
@@ -141,26 +193,26 @@ class RoundsService(rpc.RoundsServicer):
             first = await it.__anext__()
             if first.WhichOneof("part") != "header":
                 raise StreamError("malformed", "Reduce: stream must start with a header")
-            verified = sender = verify_header(self.d.verifier, first.header)
+            verified = sender = verify_header(self.checks.verifier, first.header)
             key = f"key:{sender}"
-            self.d.limits.check_rate(key)
-            with self.d.limits.stream(key), self.d.limits.inflight(key, first.header.wire_bytes):
-                rnd = await self.d.wait_round(first.header.round_id)
+            self.checks.limits.check_rate(key)
+            with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
+                rnd = await self.rounds.wait_round(first.header.round_id)
                 if rnd is None:
                     raise StreamError("unknown_round", "Reduce: no such round here")
-                async for msg in rnd.serve(_prepend(first, it), self.d.verifier, sender):
+                async for msg in rnd.serve(_prepend(first, it), self.checks.verifier, sender):
                     yield msg
         except StopAsyncIteration:
-            await self.d.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
+            await self.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
         except LimitExceeded as exc:
-            await self.d.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
+            await self.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
             sender = getattr(exc, "sender", None) or (verified if reason == "timeout" else None)
             if reason in ("banned", "not_admitted"):
                 if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now
-                    self.d.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
-                await self.d.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
+                    self.rounds.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
+                await self.checks.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
             if rnd is not None and sender is not None and sender in rnd.ids:
                 if reason == "truncated":
                     # A member whose own round just failed elsewhere cancels its streams: the break is no proof
@@ -169,43 +221,56 @@ class RoundsService(rpc.RoundsServicer):
                     rnd.abort(RoundFailed(f"contribution from {sender[:8]} broke off: {exc}"))
                 else:
                     rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
-                    self.d.suspect(sender, reason)
-            await self.d.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
+                    self.checks.suspect(sender, reason)
+            await self.checks.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))
         except TimeoutError:
             await context.abort(grpc.StatusCode.ABORTED, "round timed out")
 
     async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchResponse:
-        sender = await self.d.verify(request, "Match", context)
-        return await self.d.answer_match(request, sender)
+        sender = await self.checks.verify(request, "Match", context)
+        return await self.pair.answer_match(request, sender)
 
     async def Exchange(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.TensorMessage]:
         # Exchange streams may pause while the pair waits on each other, but never longer than the exchange itself.
-        limit = self.d.cfg.network.round_timeout + 5.0
+        limit = self.cfg.network.round_timeout + 5.0
         bounded = paced(request_iterator, limit, first_timeout=limit)
         try:
-            async for msg in self.d.serve_exchange(bounded):
+            async for msg in self.pair.serve_exchange(bounded):
                 yield msg
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
             code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
-            await self.d.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
+            await self.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"exchange failed: {exc}")
 
 
 class StateService(rpc.StateServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(
+        self,
+        *,
+        checks: RequestChecks,
+        identity: Identity,
+        cfg: RunConfig,
+        snapshot: Callable[[], StateSnapshot | None],
+        count_sent: Callable[[str, int, int], None],
+    ) -> None:
+        """`snapshot()` is the state we serve now (the daemon's latest `publish`)."""
+        self.checks = checks
+        self.identity = identity
+        self.cfg = cfg
+        self.snapshot = snapshot
+        self.count_sent = count_sent
 
     async def Download(
         self, request: pb.StateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StateMessage]:
-        await self.d.verify(request, "Download", context)
-        snap = self.d.snapshot
+        await self.checks.verify(request, "Download", context)
+        snap = self.snapshot()
         if snap is None or snap.step < request.min_step:
             have = -1 if snap is None else snap.step
             await context.abort(
@@ -219,11 +284,11 @@ class StateService(rpc.StateServicer):
                     raise StreamError("malformed", "this state's tensors differ in size: ask for whole tensors")
                 ranges = check_ranges(list(request.ranges), sizes.pop())
             except StreamError as exc:
-                await self.d.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
+                await self.checks.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
         if faults.STATE_STALL_S:
             await asyncio.sleep(faults.STATE_STALL_S)
-        for msg in state_messages(snap, self.d.identity, self.d.cfg.network.chunk_bytes, ranges):
-            self.d.count_sent("state", len(msg.chunk), len(msg.chunk))
+        for msg in state_messages(snap, self.identity, self.cfg.network.chunk_bytes, ranges):
+            self.count_sent("state", len(msg.chunk), len(msg.chunk))
             yield msg
 
 
@@ -231,11 +296,6 @@ async def _prepend(first: pb.TensorMessage, rest: AsyncIterator[pb.TensorMessage
     yield first
     async for msg in rest:
         yield msg
-
-
-def _unspecified(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return host in ("", "0.0.0.0", "::")
 
 
 def _observed_host(peer: str) -> str:

@@ -1,0 +1,226 @@
+"""Joining the swarm and keeping the peer table fresh: the Join through a bootstrap address (pinned or trusted on
+first use), the push-pull gossip loop, the merge of gossiped entries (forged ones refused and counted), and the redial
+loop that re-dials dead peers and bootstrap addresses for the life of the run (peerd/redial.py).
+
+Everything here runs on the daemon loop, which alone touches the membership table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from peerd import bootstrap, tls
+from peerd.bootstrap import unspecified
+from peerd.datadir import write_atomic
+from peerd.envelope import sign
+from peerd.reachability import dialable
+from peerd.redial import Redialer
+from peerd.v1 import peerd_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd")
+UNREACHABLE = {  # gRPC codes that mean "nobody answered" rather than "refused"
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+class JoinError(RuntimeError):
+    """No bootstrap address answered, or the swarm refused us (wrong run spec, not admitted)."""
+
+
+class Gossip:
+    """Join, gossip and redial for one daemon (`daemon.gossip`)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        net = daemon.cfg.network
+        self.redialer = Redialer(
+            lambda: [
+                p for p in daemon.membership.dead() if dialable(p)
+            ],  # outbound-only peers dial us again themselves
+            self._redial_peer,
+            daemon.bootstrap,
+            self._redial_bootstrap,
+            lambda addr: any(p.address == tls.parse_bootstrap(addr)[1] for p in daemon.membership.alive()),
+            net.gossip_interval,
+            net.redial_max,
+        )
+
+    async def join(self, timeout: float, verbose: bool = False) -> None:
+        """Join through the first bootstrap address that lets us in. An address where nothing answers is retried with
+        backoff until `timeout`; one that answers but is not a peerd peer, or refuses us, fails at once. `verbose`
+        (at start) logs each address's first failure, so a slow join is never silent; the gossip loop's healing
+        calls stay quiet."""
+        assert self.d.channels is not None
+        deadline = time.monotonic() + timeout
+        last = "no bootstrap address given"
+        warned: set[str] = set()
+        attempt = 0
+        while True:
+            for spec in self.d.bootstrap:
+                try:
+                    addr, peer = await self._bootstrap_address(spec)
+                    await self._join_one(addr, peer)
+                    return
+                except bootstrap.NotPeerd as exc:
+                    raise JoinError(
+                        f"bootstrap {spec} answered but is not a peerd peer: {exc}; check the host and port"
+                    ) from exc
+                except bootstrap.NoAnswer as exc:
+                    last = f"{spec}: {exc}"
+                    if verbose and spec not in warned:
+                        warned.add(spec)
+                        left = max(deadline - time.monotonic(), 0.0)
+                        log.warning("bootstrap %s: %s; retrying for up to %.0fs", spec, exc, left)
+            pause = bootstrap.backoff_s(attempt)
+            attempt += 1
+            if time.monotonic() + pause > deadline:
+                break
+            await asyncio.sleep(pause)
+        raise JoinError(
+            f"no bootstrap peer answered within {timeout:.0f}s ({last}); check that the peer runs and the address "
+            "is reachable, or wait longer with --join-timeout"
+        )
+
+    async def _join_one(self, addr: str, peer: pb.PeerInfo | None, timeout: float = 5.0) -> None:
+        """One Join call to a bootstrap address; NoAnswer when it cannot be reached, JoinError when refused. Before
+        the first Join the peer there dials us back, so our entry carries the reachability verdict from the start."""
+        assert self.d.channels is not None
+        await self.d.reach.before_join(addr)
+        req = sign(
+            pb.JoinRequest(
+                self=self.d.membership.signed_self(), run_spec_json=self.d.cfg.spec_json(), dialed_address=addr
+            ),
+            "Join",
+            self.d.identity,
+            self.d.run_id,
+        )
+        try:
+            resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in UNREACHABLE or exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED):
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise bootstrap.NotPeerd("a gRPC server without peerd's Membership service") from exc
+                if self.d.tls is None:  # with TLS the certificate already showed a peer is there: just retry
+                    await bootstrap.classify(addr, secure=False)
+                raise bootstrap.NoAnswer(f"{exc.code().name} {exc.details()}") from exc
+            raise JoinError(f"{addr} refused us: {exc.details()}") from exc
+        if unspecified(self.d.me.address) and resp.observed_address:
+            self.d.me.address = f"{resp.observed_address}:{self.d.me.address.rsplit(':', 1)[-1]}"
+            self.d.me.heartbeat += 1
+            write_atomic(self.d.data_dir / "address", self.d.me.address)
+        self.merge_gossip(resp.peers)
+        log.info("joined through %s: %d peers known", addr, len(self.d.membership.alive()) - 1)
+
+    async def _bootstrap_address(self, spec: str) -> tuple[str, pb.PeerInfo | None]:
+        """'PEERID@host:port' or 'host:port' -> the address to dial and, with TLS, the peer found there: its
+        certificate is read and checked first (pinned to PEERID, or trusted on first use) so the Join goes only to
+        the peer it should. The Join dials with exactly that certificate: a stale one gossiped for the address
+        (the peer restarted with a new TLS key) would fail the handshake and fill the log with gRPC's complaints."""
+        assert self.d.channels is not None
+        pinned, addr = tls.parse_bootstrap(spec)
+        if self.d.tls is None:
+            if pinned is not None:
+                log.warning("--insecure: cannot check that %s is peer %s", addr, pinned[:8])
+            return addr, None
+        cert = await bootstrap.fetch_cert(addr, timeout=5.0)
+        pid = tls.verify_cert(cert)
+        if pinned is not None and pid != pinned:
+            raise JoinError(f"bootstrap {addr} is peer {pid}, not the expected {pinned}: refusing to join through it")
+        if pinned is None:
+            log.info(
+                "bootstrap %s is peer %s (trusted on first use; pin it with --bootstrap %s@%s)", addr, pid, pid, addr
+            )
+        self.d.channels.pin(addr, cert)
+        return addr, pb.PeerInfo(peer_id=pid, public_key=tls.bound_key(cert), tls_cert=cert, address=addr)
+
+    async def gossip_loop(self, stopping: asyncio.Event) -> None:
+        interval = self.d.cfg.network.gossip_interval
+        while not stopping.is_set():
+            await asyncio.sleep(interval * random.uniform(0.7, 1.0))
+            self.d.membership.bump()
+            self.d.checks.refresh_suspects()
+            others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
+            self.d.reach.tick(others)
+            targets = random.sample(others, min(3, len(others)))
+            if targets:
+                await asyncio.gather(*(self._gossip_one(p) for p in targets))
+            view = self.d.membership.snapshot()
+            if self.d.metrics is not None:
+                self.d.metrics.known_peers.set(view.known)
+                self.d.metrics.alive_peers.set(len(view.alive))
+                self.d.metrics.expected_peers.set(len(view.expected))
+                self.d.metrics.work.set(self.d.me.work)
+
+    async def redial_loop(self, stopping: asyncio.Event) -> None:
+        """Dead peers and bootstrap addresses, re-dialled with backoff for the life of the run (peerd/redial.py)."""
+        while not stopping.is_set():
+            await asyncio.sleep(self.d.cfg.network.gossip_interval * random.uniform(0.5, 1.0))
+            before = self.redialer.dials
+            with contextlib.suppress(Exception):
+                await self.redialer.tick()
+            if self.d.metrics is not None and self.redialer.dials > before:
+                self.d.metrics.redials.inc(self.redialer.dials - before)
+
+    async def _redial_peer(self, peer: pb.PeerInfo) -> bool:
+        ok = await self._gossip_one(peer, mark=False)
+        if ok:
+            log.info("peer %s at %s answers again: rejoined its part of the swarm", peer.peer_id[:8], peer.address)
+        return ok
+
+    async def _redial_bootstrap(self, spec: str) -> bool:
+        try:
+            addr, peer = await self._bootstrap_address(spec)
+            await self._join_one(addr, peer, timeout=max(2.0, self.d.cfg.network.gossip_interval))
+        except (OSError, TimeoutError, tls.TlsError, bootstrap.NoAnswer, bootstrap.NotPeerd, JoinError):
+            return False
+        return True
+
+    async def _gossip_one(self, peer: pb.PeerInfo, mark: bool = True) -> bool:
+        assert self.d.channels is not None
+        req = sign(pb.GossipRequest(peers=self.d.membership.gossip_view()), "Gossip", self.d.identity, self.d.run_id)
+        try:
+            resp = await self.d.channels.membership(peer.address, peer).Gossip(
+                req, timeout=max(2.0, self.d.cfg.network.gossip_interval)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if mark and exc.code() in UNREACHABLE:
+                self.d.membership.mark_unreachable(peer.peer_id)
+            self.d.count_sent("gossip", 0, req.ByteSize())
+            return False
+        self.d.count_sent("gossip", 0, req.ByteSize())
+        self.merge_gossip(resp.peers)
+        self.d.reach.observe(peer, resp.observed_address)
+        return True
+
+    def merge_gossip(self, peers: Any) -> list[str]:
+        """Merge gossiped entries; entries not signed by the peer they describe are refused and counted."""
+        before = self.d.membership.forged
+        new = self.d.membership.merge(peers)
+        for _ in range(self.d.membership.forged - before):
+            self.d.checks.count_rejected("forged_entry")
+        if self.d.membership.forged > before:
+            shown, _ = self.d.checks.refusal_log.allow("forged_entry")
+            if shown:
+                log.warning("refused gossip entries not signed by the peer they describe (forged_entry)")
+        return new
+
+    def adopt_address(self, dialed: str) -> None:
+        """A joiner reached us at `dialed`: if we do not know our public address yet, that is it."""
+        if unspecified(self.d.me.address) and dialed and not unspecified(dialed):
+            self.d.me.address = dialed
+            self.d.me.heartbeat += 1
+            write_atomic(self.d.data_dir / "address", self.d.me.address)
+            log.info("learned our public address from a joiner: %s", dialed)

@@ -1,0 +1,341 @@
+"""The client side of a DiLoCo / Streaming DiLoCo round (peerd/allreduce.py is the exchange itself): find the
+round's leader and join its group (peerd/rendezvous.py is the leader's side, which `lead_rendezvous` answers for),
+run the reduce-scatter + all-gather with that group, retry without the peers a failed attempt blames, and record
+the outcome in status, logs and metrics.
+
+It also keeps the registry of rounds in flight, so that a member's Reduce stream that arrives before our own
+rendezvous answer finds its round, and calls that depend on a peer that goes silent in gossip give up early.
+Everything here runs on the daemon loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
+from peerd.consistency import Claim, outranks
+from peerd.envelope import sign
+from peerd.gossip import UNREACHABLE
+from peerd.reachability import dialable
+from peerd.rendezvous import Behind
+from peerd.v1 import peerd_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd")
+
+
+class PeerSilent(Exception):
+    """A peer a pending call depends on went silent in gossip (a split, or it died): give up on the call now."""
+
+    def __init__(self, peer_id: str) -> None:
+        super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
+        self.peer_id = peer_id
+
+
+class RoundClient:
+    """Rendezvous, all-reduce rounds and their bookkeeping for one daemon (`daemon.round_client`)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.rounds: dict[bytes, Any] = {}  # round id -> its ReduceRound, while in flight
+        self._round_events: dict[bytes, asyncio.Event] = {}  # streams that arrived before their round: wake them
+
+    async def lead_rendezvous(self, request: pb.RendezvousRequest, info: pb.PeerInfo) -> pb.RendezvousResponse:
+        assert self.d.leader is not None
+        if request.fragment < 0 and self.d.status.outer_step < request.step <= self._plausible_step() + 1:
+            # Only a step the swarm could be at closes earlier groups: one peer claiming step 10**9 must not make
+            # every pending group resync (the median of live peers' gossiped steps cannot be moved by a minority).
+            self.d.leader.on_ahead(request.step)
+        # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
+        # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
+        # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
+        # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
+        excluded = set(request.suspects) - {self.d.identity.peer_id}
+        leader = next(p for p in self.d.membership.alive() if p.peer_id not in excluded and dialable(p))
+        if leader.peer_id < self.d.identity.peer_id:
+            return pb.RendezvousResponse(redirect=leader)
+        theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
+        behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
+        lineage = bytes(request.state_digest) if self.d.ranked else b""
+        return await self.d.leader.join(
+            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind, lineage
+        )
+
+    def _plausible_step(self) -> int:
+        steps = sorted(p.outer_step for p in self.d.membership.alive())
+        return steps[(len(steps) - 1) // 2] if steps else self.d.status.outer_step  # the lower median
+
+    async def _rendezvous(
+        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes
+    ) -> pb.RendezvousResponse:
+        assert self.d.leader is not None and self.d.channels is not None
+        tried = set(suspects)
+        gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
+        # us back to a peer it has not noticed is dead (that made two survivors lead groups of one each)
+        target: pb.PeerInfo | None = None
+        # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
+        # here made members give up on a live leader, lead themselves and split the swarm.
+        timeout = 3 * self.d.cfg.network.rendezvous_timeout + 10.0
+        for _ in range(16):
+            if target is None:
+                # outbound-only peers never lead: nobody could dial them
+                candidates = [p for p in self.d.membership.settled() if p.peer_id not in tried and dialable(p)]
+                if not candidates and self.d.me.outbound_only:
+                    if await self.d.reach.wait_for_dialable(self.d.cfg.network.rendezvous_timeout):
+                        continue
+                    raise RoundFailed("no reachable peer to lead the round: this peer cannot be dialled either")
+                target = candidates[0] if candidates else self.d.me
+                if target.peer_id == self.d.identity.peer_id:
+                    # The rule a leader applies to others applies to us: lead only while no lower live peer exists,
+                    # settled or not, or we would wait in a group everyone else is redirected away from.
+                    lower = [
+                        p
+                        for p in self.d.membership.alive()
+                        if p.peer_id < target.peer_id and p.peer_id not in tried and dialable(p)
+                    ]
+                    target = lower[0] if lower else target
+            if target.peer_id == self.d.identity.peer_id:
+                lineage = bytes(self.d.me.state_digest) if self.d.ranked else b""
+                return await self.d.leader.join(
+                    step, fragment, self.d.me, sorted(suspects), failed_round, False, lineage
+                )
+            mine = self.d.my_claim()
+            req = sign(
+                pb.RendezvousRequest(
+                    step=step,
+                    attempt=attempt,
+                    suspects=sorted(suspects | gone),
+                    fragment=fragment,
+                    failed_round=failed_round,
+                    work=mine.work,
+                    state_digest=mine.digest,
+                ),
+                "Rendezvous",
+                self.d.identity,
+                self.d.run_id,
+            )
+            try:
+                call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
+                resp = await self._unless_silent(call, [target.peer_id])
+            except PeerSilent as exc:
+                log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
+                tried.add(target.peer_id)
+                gone.add(target.peer_id)
+                target = None
+                continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in UNREACHABLE:
+                    raise RoundFailed(f"rendezvous refused by {target.peer_id[:8]}: {exc.details()}") from exc
+                log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
+                tried.add(target.peer_id)
+                gone.add(target.peer_id)
+                self.d.membership.mark_unreachable(target.peer_id)
+                target = None
+                continue
+            if resp.WhichOneof("result") == "redirect":
+                nxt = resp.redirect
+                if nxt.peer_id in gone:  # it has not noticed yet: ask again, naming the dead leader
+                    await asyncio.sleep(0.05)
+                    continue
+                if nxt.peer_id >= target.peer_id or nxt.peer_id in tried:
+                    tried.add(target.peer_id)
+                    target = None
+                else:
+                    self.d.gossip.merge_gossip([nxt])
+                    target = nxt
+                continue
+            return resp
+        raise RoundFailed("rendezvous did not settle on a leader")
+
+    async def wait_round(self, round_id: bytes) -> Any:
+        """A member may start streaming to us before our own rendezvous answer arrived: wait for it, briefly."""
+        rnd = self.rounds.get(round_id)
+        if rnd is not None:
+            return rnd
+        if len(self._round_events) > 256:
+            return None
+        ev = self._round_events.setdefault(round_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ev.wait(), self.d.cfg.network.rendezvous_timeout + 10.0)
+        self._round_events.pop(round_id, None)
+        return self.rounds.get(round_id)
+
+    async def _unless_silent(self, work: Any, peers: list[str], on_silent: Callable[[str], None] | None = None) -> Any:
+        """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
+        twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
+        the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
+        Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
+        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent)."""
+        task = asyncio.ensure_future(work)
+        limit = 2 * self.d.cfg.network.peer_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.d.cfg.network.gossip_interval)
+                if done:
+                    return task.result()
+                silent = next((pid for pid in peers if self.d.membership.silent_for(pid) > limit), None)
+                if silent is not None:
+                    if on_silent is None:
+                        raise PeerSilent(silent)
+                    on_silent(silent)
+                    peers = [p for p in peers if p != silent]
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
+        """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
+        rnd = self.rounds.get(round_id)
+        if isinstance(rnd, ReduceRound) and peer_id in rnd.ids:
+            rnd.abort(RoundFailed(f"member {peer_id[:8]} is refused here ({reason})", {peer_id}, reason))
+
+    def register_round(self, round_id: bytes, rnd: Any) -> None:
+        assert self.d.loop is not None
+        self.rounds[round_id] = rnd
+        ev = self._round_events.get(round_id)
+        if ev is not None:
+            ev.set()
+        self.d.loop.call_later(self.d.cfg.network.round_timeout, self.rounds.pop, round_id, None)
+
+    def stub_for(self, member: pb.PeerInfo) -> Any:
+        assert self.d.channels is not None
+        return self.d.channels.rounds(member.address, member)
+
+    async def allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
+    ) -> RoundResult:
+        suspects: set[str] = set()
+        failed_round = b""
+        t0 = time.perf_counter()
+        for attempt in range(6):
+            t_rv = time.perf_counter()
+            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round)
+            if resp.WhichOneof("result") == "behind":
+                raise Behind(resp.behind)
+            group = resp.group
+            rendezvous_s = time.perf_counter() - t_rv
+            rnd = ReduceRound(
+                group,
+                self.d.identity,
+                self.d.run_id,
+                vector,
+                self.d.codec,
+                self.d.executor,
+                self.d.cfg.network.round_timeout,
+                self.d.cfg.network.chunk_bytes,
+                want_decoded,
+                guard=self.d.guard,
+                on_invalid=self.d.checks.invalid_contribution,
+            )
+            self.register_round(group.round_id, rnd)
+            # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
+            # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
+            try:
+                result = await self._unless_silent(
+                    rnd.run(self.stub_for, self.d.verifier),
+                    [m.peer_id for m in group.members],
+                    lambda pid, rnd=rnd: rnd.abort(RoundFailed(f"member {pid[:8]} went silent", {pid}, "peer_lost")),
+                )
+            except RoundFailed as exc:
+                failed_round = bytes(group.round_id)
+                self.d.status.rounds_failed += 1
+                if self.d.metrics is not None:
+                    self.d.metrics.record_failure(exc.reason)
+                    self.d.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
+                suspects |= exc.suspects - {self.d.identity.peer_id}
+                if exc.reason != "aborted":  # "aborted" suspects are another member's word: skip them, no more
+                    for s in exc.suspects:
+                        self.d.membership.mark_unreachable(s)
+                log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
+                await asyncio.sleep(0.1 * (attempt + 1))
+                continue
+            result.stats.seconds = time.perf_counter() - t0
+            # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
+            # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
+            assert self.d.loop is not None
+            self.d.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
+            if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
+                for m in group.members:
+                    self.d.membership.note_step(m.peer_id, step + 1)
+            self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
+            return result
+        raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
+
+    def record_round(
+        self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
+    ) -> None:
+        s = result.stats
+        # DiLoCo and Streaming rounds (recorded on the loop) are judged against the run, not the shrunken live set:
+        # peers seen live within network.forget_after count as expected, so a round held by one half of a split is
+        # partial, and a round of one is a solo step. NoLoCo's rounds are pairs by design and judged by their group
+        # (recorded from the training thread, which never reads the table); it counts its own solo steps.
+        run_level = self.d.cfg.run.algorithm in ("diloco", "streaming")
+        expected = (
+            sorted(set(group.expected) | set(self.d.membership.expected())) if run_level else list(group.expected)
+        )
+        partial = result.partial or len(set(result.included)) < len(expected)
+        solo = len(set(result.included)) <= 1
+        solo_step = run_level and solo  # NoLoCo keeps its old accounting: a lost partner is a partial step
+        summary = pb.RoundSummary(
+            step=group.step,
+            algorithm=self.d.cfg.run.algorithm,
+            included=result.included,
+            expected=expected,
+            partial=partial,
+            raw_bytes=s.raw_bytes,
+            wire_bytes=s.wire_bytes,
+            seconds=s.seconds,
+            note=note,
+            fragment=fragment,
+        )
+        self.d.status.last_round = summary
+        self.d.status.recent_rounds.append(summary)
+        self.d.status.bytes_sent_raw += s.raw_bytes
+        self.d.status.bytes_sent_wire += s.wire_bytes
+        self.d.status.bytes_received_wire += s.received_wire_bytes
+        if run_level:  # NoLoCo says "no partner ...; stepped alone" for each such step itself
+            self.note_alone(len(set(result.included)), len(expected))
+        if solo_step:
+            self.d.status.solo_steps += 1
+        elif partial:
+            self.d.status.rounds_partial += 1
+            missing = sorted(set(expected) - set(result.included))
+            log.warning(
+                "step %d: PARTIAL round: averaged %d of %d expected peers (missing %s)",
+                group.step,
+                len(result.included),
+                len(expected),
+                [m[:8] for m in missing],
+            )
+        if self.d.metrics is not None:
+            m = self.d.metrics
+            outcome = "solo" if solo_step or (solo and not partial) else ("partial" if partial else "complete")
+            m.record_round(
+                outcome,
+                peers=len(result.included),
+                total_seconds=s.seconds,
+                rendezvous_seconds=rendezvous_s,
+                exchange_seconds=max(s.seconds - rendezvous_s, 0.0),
+            )
+            kind = "pair" if self.d.cfg.run.algorithm == "noloco" else "reduce"
+            m.record_sent(kind, s.raw_bytes, s.wire_bytes)
+            m.record_received(kind, s.received_wire_bytes * s.raw_bytes // max(s.wire_bytes, 1), s.received_wire_bytes)
+
+    def note_alone(self, included: int, expected: int) -> None:
+        line = self.d.alone.update(included, expected)
+        if line is not None:
+            (log.warning if included <= 1 else log.info)(line)
+        if self.d.metrics is not None:
+            self.d.metrics.alone.set(1 if self.d.alone.alone_since is not None else 0)

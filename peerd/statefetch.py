@@ -1,0 +1,95 @@
+"""The client side of a state download (peerd/statesync.py is the wire format and the serving side): pick the live
+peer holding the canonical state, ask it for the whole state or only the fragments where ours differs, check what
+arrives against the digest it gossiped, and fall back to the next holder on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from peerd.allreduce import RoundFailed
+from peerd.consistency import claim_of, outranks
+from peerd.envelope import sign
+from peerd.reachability import dialable
+from peerd.statesync import StateSnapshot, part_digests, read_state
+from peerd.streams import StreamError
+from peerd.v1 import peerd_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd")
+
+
+def differing_ranges(
+    holder: pb.PeerInfo, mine: list[bytes] | None, parts: list[list[tuple[int, int]]] | None
+) -> list[tuple[int, int]] | None:
+    """The element ranges of the fragments where `holder`'s state differs from ours (`mine`: our part digests);
+    None: download it all."""
+    if not mine or not parts or len(holder.part_digests) != len(parts):
+        return None
+    ranges = [r for p, theirs in enumerate(holder.part_digests) if theirs != mine[p] for r in parts[p]]
+    return ranges or None
+
+
+async def fetch_state(
+    d: Daemon,
+    min_step: int,
+    expected: dict[str, tuple[int, ...]],
+    timeout: float,
+    better: bool = False,
+    base: dict[str, torch.Tensor] | None = None,
+    parts: list[list[tuple[int, int]]] | None = None,
+) -> StateSnapshot:
+    """Download the canonical global state (at least `min_step`) from a live peer that holds it (runs on the loop).
+    `better`: only a state that outranks ours. With `base` (our state) and `parts` (its fragments' ranges), only the
+    fragments whose gossiped digests differ from ours are downloaded and patched in."""
+    assert d.channels is not None
+    deadline = time.monotonic() + timeout
+    errors: list[str] = []
+    # Our own part digests do not change while we download: computed once, not once per candidate holder.
+    mine_parts = part_digests(base, parts) if base and parts else None
+    while time.monotonic() < deadline:
+        mine = d.my_claim()
+        live = [
+            p
+            for p in d.membership.alive(include_self=False)
+            if p.outer_step >= min_step
+            and p.state_digest
+            and dialable(p)
+            and (not better or outranks(claim_of(p), mine))
+        ]
+        if d.me.outbound_only and not await d.reach.wait_for_dialable(deadline - time.monotonic()):
+            break  # nobody we could download from
+        # The highest-ranked claim first (the split-brain rule), then the holders of the state most peers
+        # hold: among claims of equal rank, the one more peers vouch for.
+        votes: dict[bytes, int] = {}
+        for p in live:
+            votes[bytes(p.state_digest)] = votes.get(bytes(p.state_digest), 0) + 1
+        peers = sorted(live, key=lambda p: (claim_of(p).rank, votes[bytes(p.state_digest)]), reverse=True)
+        for p in peers:
+            ranges = differing_ranges(p, mine_parts, parts)
+            flat = [v for pair in ranges or () for v in pair]
+            req = sign(pb.StateRequest(min_step=min_step, ranges=flat), "Download", d.identity, d.run_id)
+            call = d.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
+            try:
+                snap = await read_state(call.__aiter__(), expected, p.public_key, base, ranges)
+                if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
+                    raise StreamError("bad_digest", "served state does not match the digest it gossiped")
+            except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
+                errors.append(f"{p.peer_id[:8]}: {exc}")
+                if isinstance(exc, StreamError):
+                    d.checks.count_rejected(exc.reason)
+                continue
+            what = f"{len(ranges)} changed slices" if ranges else "whole"
+            log.info("downloaded state at step %d (work %d, %s) from %s", snap.step, snap.work, what, p.peer_id[:8])
+            d.status.state_downloads += 1
+            return snap
+        await asyncio.sleep(0.5)
+    raise RoundFailed(f"no peer served state at step >= {min_step}: {errors[-3:]}")
