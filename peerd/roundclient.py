@@ -267,8 +267,7 @@ class RoundClient:
             assert self.d.loop is not None
             self.d.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
-                for m in group.members:
-                    self.d.membership.note_step(m.peer_id, step + 1)
+                self.d.membership.note_round(step + 1, [m.peer_id for m in group.members])
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
