@@ -246,8 +246,8 @@ class RunConfig:
             raise ConfigError("network.relay_max_peers must be >= 0 and network.relay_peer_mbit > 0")
 
     def _validate_codec(self) -> None:
-        """The sparse codec's keys, and what it needs: error feedback, which only DiLoCo carries (Streaming DiLoCo has
-        none yet, NoLoCo sends weights, which must not be sparsified, and ddp sends every step's gradient)."""
+        """The sparse codec's keys, and what it needs: error feedback, which DiLoCo and Streaming DiLoCo carry (NoLoCo
+        sends weights, which must not be sparsified, and ddp sends every step's gradient)."""
         codec, default = self.codec, CodecSection()
         if codec.name not in CODECS:
             raise ConfigError(f"codec.name must be one of {CODECS}, not {codec.name!r}")
@@ -265,9 +265,9 @@ class RunConfig:
             raise ConfigError(f"codec.block_size must be in [2, {SPARSE_MAX_BLOCK}] with codec.name = 'sparse'")
         if not codec.error_feedback:
             raise ConfigError("codec.name = 'sparse' needs codec.error_feedback = true: it drops most of each update")
-        if self.run.algorithm != "diloco":
+        if self.run.algorithm not in ("diloco", "streaming"):
             raise ConfigError(
-                f"codec.name = 'sparse' needs run.algorithm = 'diloco' (the one with error feedback), "
+                f"codec.name = 'sparse' needs run.algorithm = 'diloco' or 'streaming' (they carry error feedback), "
                 f"not {self.run.algorithm!r}"
             )
 

@@ -358,11 +358,14 @@ class Daemon:
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
         return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded))
 
-    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+    def allreduce_async(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+    ) -> concurrent.futures.Future:
         """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
         result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be modified until it is done."""
         assert self.loop is not None
-        return asyncio.run_coroutine_threadsafe(self.round_client.allreduce(step, vector, fragment), self.loop)
+        coro = self.round_client.allreduce(step, vector, fragment, want_decoded)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0

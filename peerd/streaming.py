@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
+from peerd.codecs import ErrorFeedback
 from peerd.rendezvous import Behind
 from peerd.statesync import tensor_bytes
 from trainer.flat import ParamLayout
@@ -254,6 +255,7 @@ class _Exchange:
         self.resolved = False  # the global update is applied (or the round is known not to apply)
         self.merge_pending = True  # the local merge is still to do
         self.late = False
+        self.sent: Tensor | None = None  # the (error-compensated) contribution, for error feedback
         future.add_done_callback(self._finished)
 
     @property
@@ -305,6 +307,9 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.stats = StreamingStats()
         self.stats_path = Path(trainer.data_dir) / STATS_FILE
         self.last_result: Any = None  # the newest round applied, reported with the cycle's outer step
+        # Error feedback per fragment (codec.error_feedback; the sparse codec needs it): what the codec dropped from a
+        # fragment's contribution is added to that fragment's next one.
+        self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
         self.pending: dict[int, _Exchange] = {}
         self.s = 0  # inner steps completed, in the swarm's timeline
         self.needs_resync = False
@@ -406,13 +411,16 @@ class StreamingDiLoCo(OuterAlgorithm):
             if p in self.pending:  # the boundary rule prevents this: never overlap a fragment with itself
                 raise RuntimeError(f"fragment {p} is still in flight when its next sync is due")
             pseudo = self.state.pseudo_gradient(p, self._local(p))
+            if self.feedback is not None:
+                pseudo = self.feedback.compensate(f"fragment{p}", pseudo.cpu())
             step = self.schedule.round_step(s, p)
             record = SyncRecord(fragment=p, step=step, s=s, t_start=time.time())
-            future = trainer.swarm.allreduce_async(step, pseudo, fragment=p)
+            future = trainer.swarm.allreduce_async(step, pseudo, fragment=p, want_decoded=self.feedback is not None)
             future.add_done_callback(lambda f, step=step: self._note_members(trainer.swarm, step, f))
 
             ready_at = time.monotonic() + self.fault_delay
             self.pending[p] = _Exchange(record, self.schedule.merge_at(s), future, ready_at)
+            self.pending[p].sent = pseudo
             self.stats.syncs_started += 1
             self.stats.syncs.append(record)
 
@@ -464,6 +472,8 @@ class StreamingDiLoCo(OuterAlgorithm):
             log.warning("fragment %d round %d returned an unusable average: %s", p, rec.step, exc)
             return
         st = result.stats
+        if self.feedback is not None and result.sent_decoded is not None and ex.sent is not None:
+            self.feedback.update(f"fragment{p}", ex.sent, result.sent_decoded)
         self._retune(rec)
         self.work += len(set(result.included))
         rec.outcome = "applied"

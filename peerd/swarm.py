@@ -55,7 +55,9 @@ class Swarm(Protocol):
         """Average `vector` with the peers ready for `step` (and `fragment`). Raises rendezvous.Behind when the swarm
         is past `step`, allreduce.RoundFailed when the round could not complete."""
 
-    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+    def allreduce_async(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+    ) -> concurrent.futures.Future:
         """`allreduce` without waiting; `vector` must not change until the future is done."""
 
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
@@ -178,8 +180,10 @@ class DaemonSwarm:
     def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
         return self.daemon.allreduce(step, vector, fragment, want_decoded)
 
-    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
-        return self.daemon.allreduce_async(step, vector, fragment)
+    def allreduce_async(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+    ) -> concurrent.futures.Future:
+        return self.daemon.allreduce_async(step, vector, fragment, want_decoded)
 
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
         loop = self.daemon.loop

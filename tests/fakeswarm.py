@@ -39,7 +39,9 @@ class FakeSwarm:
     best: Claim | None = None
     state: StateSnapshot | None = None
     partners: Callable[[int, Mapping[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]] | None = None
+    codec: Any = None  # a peerd codec our contribution goes through (None: lossless)
     calls: list[tuple[int, int]] = field(default_factory=list)
+    vectors: list[torch.Tensor] = field(default_factory=list)  # what we contributed, round by round
     recorded: list[pb.Group] = field(default_factory=list)
     noted: list[tuple[int, list[str]]] = field(default_factory=list)
     solo_steps: int = 0
@@ -49,6 +51,7 @@ class FakeSwarm:
         from peerd.rendezvous import Behind
 
         self.calls.append((step, fragment))
+        self.vectors.append(vector.detach().clone())
         if (step, fragment) in self.fail:
             self.fail.discard((step, fragment))
             raise RoundFailed("injected", set(), "timeout")
@@ -57,12 +60,19 @@ class FakeSwarm:
         contributions = [vector.detach().float().cpu(), *self.others(step, fragment, vector)]
         ids = [ME] + [f"p{i}" for i in range(1, len(contributions))]
         average = torch.stack(contributions).mean(0)
-        return RoundResult(average, group_of(step, ids, fragment), ids, RoundStats())
+        sent = self.codec.decode(self.codec.encode(contributions[0]), vector.numel()) if self.codec else None
+        if self.codec is not None:  # what the others received from us, as through a real codec
+            contributions[0] = sent
+            average = torch.stack(contributions).mean(0)
+        decoded = (sent if sent is not None else contributions[0]) if want_decoded else None
+        return RoundResult(average, group_of(step, ids, fragment), ids, RoundStats(), decoded)
 
-    def allreduce_async(self, step: int, vector: torch.Tensor, fragment: int = -1) -> concurrent.futures.Future:
+    def allreduce_async(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+    ) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            fut.set_result(self.allreduce(step, vector, fragment))
+            fut.set_result(self.allreduce(step, vector, fragment, want_decoded))
         except Exception as exc:  # the future carries it, as the real one does
             fut.set_exception(exc)
         return fut

@@ -185,3 +185,33 @@ def test_streaming_auto_tau_shrinks_when_rounds_are_fast(tmp_path: Path) -> None
     for _ in range(16):
         trainer.inner_step()
     assert 1 <= trainer.algorithm.schedule.tau < trainer.algorithm.tau_max  # in-memory rounds take no time
+
+
+def test_streaming_error_feedback_carries_what_the_codec_dropped(tmp_path: Path) -> None:
+    from peerd.codecs import make_codec
+
+    codec = make_codec("sparse", density=0.25, bits=2, block_size=4)
+    swarm = FakeSwarm(codec=codec)
+    trainer = setup(
+        tmp_path,
+        "streaming",
+        swarm,
+        inner={"steps": 4},
+        streaming={"fragments": 2, "tau": 1},
+        codec={"name": "sparse", "density": 0.25, "bits": 2, "block_size": 4, "error_feedback": True},
+    )
+    algo = trainer.algorithm
+    for _ in range(3):  # fragment 1 starts at s = 2 and is applied at s = 3
+        trainer.inner_step()
+    assert algo.stats.syncs[0].fragment == 1 and algo.stats.syncs[0].outcome == "applied"
+    sent = swarm.vectors[0]
+    residual = algo.feedback.state_dict()["fragment1"]
+    assert torch.equal(residual, sent - codec.decode(codec.encode(sent), sent.numel()))  # what the codec dropped
+    assert residual.count_nonzero() > 0
+    seen = []
+    compensate = algo.feedback.compensate
+    algo.feedback.compensate = lambda key, x: seen.append((key, x.clone())) or compensate(key, x)
+    for _ in range(4):  # its next round (s = 6) sends the new pseudo-gradient plus that residual
+        trainer.inner_step()
+    assert swarm.calls[2] == (1, 1) and seen[-1][0] == "fragment1"
+    assert torch.equal(swarm.vectors[2], seen[-1][1] + residual)
