@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from peerd import bootstrap, faults, reflection, tls
 from peerd.admission import Admission, AdmissionError
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
-from peerd.channels import CHANNEL_OPTIONS, Channels
+from peerd.channels import CHANNEL_OPTIONS, UNREACHABLE, Channels
 from peerd.codecs import Codec, make_codec
 from peerd.config import RunConfig
 from peerd.consistency import AloneTracker, Claim, best_claim, claim_of, outranks
@@ -45,19 +45,13 @@ from peerd.relay import RelayClient, RelayServer
 from peerd.rendezvous import Behind, RendezvousLeader
 from peerd.robust import STRIKE_REASONS, BanList, ContributionGuard, majority_suspects
 from peerd.service import MembershipService, RoundsService, StateService, _unspecified
+from peerd.shutdown import DRAIN_S
 from peerd.statesync import StateSnapshot, part_digests, read_state
 from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
-DRAIN_S = 10.0  # at shutdown, how long streams in flight may take to finish (a 17 MB reply at 20 Mbit/s: ~7 s)
 T = TypeVar("T")
-UNREACHABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-}
 AUTH_CODES = {  # envelope refusals that are not plain authentication failures
     "wrong_run": grpc.StatusCode.FAILED_PRECONDITION,
     "not_admitted": grpc.StatusCode.PERMISSION_DENIED,

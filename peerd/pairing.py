@@ -51,22 +51,23 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, RoundStats
+from peerd.channels import connection_failed
 from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier, sign
 from peerd.identity import Identity
-from peerd.streams import ReceivedTensor, StreamError, read_tensor, tensor_messages
+from peerd.membership import copy_peer
+from peerd.shutdown import PAIR_DRAIN_S
+from peerd.streams import ReceivedTensor, StreamError, prepend, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
 
 KINDS = ("phi", "pair")  # the order each member sends its tensors in: slow weights first, so they can go ahead
-FAULT_ENV = "PEERD_FAULT_EXCHANGE_EXIT_AFTER_CHUNKS"  # fault injection: os._exit after sending this many chunks
 HOLD_S = 1.0  # longest we hold a proposal from a higher id while our own proposal is outstanding
 MATCH_RPC_S = 2 * HOLD_S + 1.0  # a Match call may be held once, plus a round trip
 CONFIRM_GRACE_S = 5.0  # an accepter waits match_timeout + this for the proposer to open the exchange
 BACKOFF_S = (0.01, 0.05)  # random pause after a refusal; lets proposals we hold be answered in between
 RETIRE_S = 5.0  # how long a finished group stays known, so the partner can finish reading our last bytes
-DRAIN_S = 5.0  # at shutdown, how long we let streams finish delivering our tensors to partners
 PACE_SLACK = 3  # peers more than max_staleness + this many steps behind are catching up (downloading state)
 
 
@@ -152,28 +153,6 @@ class PairOutcome:
     @property
     def solo(self) -> bool:
         return len(self.members) == 1
-
-
-class _Faults:
-    """Counts exchange chunks this process sent, for the fault injector (`PEERD_FAULT_EXCHANGE_EXIT_AFTER_CHUNKS`):
-    tests make a real peer die in the middle of a stream, the way a crash would."""
-
-    def __init__(self) -> None:
-        raw = os.environ.get(FAULT_ENV, "").strip()
-        self.exit_after = int(raw) if raw else None
-        self.sent = 0
-
-    def on_chunk(self) -> None:
-        if self.exit_after is None:
-            return
-        self.sent += 1
-        if self.sent >= self.exit_after:
-            log.error("fault injection: exiting after sending %d exchange chunks", self.sent)
-            logging.shutdown()
-            os._exit(17)
-
-
-FAULTS = _Faults()
 
 
 class _Session:
@@ -356,7 +335,7 @@ class Pairing:
         h = hashlib.sha256(self.run_id)
         h.update(f"noloco/{sender}/{self.my_id}/{request.step}/{step}/".encode())
         h.update(request.auth.nonce)
-        members = [_copy(proposer), _copy(self.me())]
+        members = [copy_peer(proposer, suspects=False), copy_peer(self.me(), suspects=False)]
         sess = self._open(h.digest(), step, "accepter", members)
         sess.stream_round[sender] = sess.round_id
         sess.peer_steps[sender] = request.step
@@ -424,7 +403,7 @@ class Pairing:
             return await self.transport.match(target, req, MATCH_RPC_S)
         except (grpc.aio.AioRpcError, TimeoutError, OSError, StreamError) as exc:
             log.debug("proposal to %s failed: %s", target.peer_id[:8], exc)
-            if _unreachable(exc):
+            if connection_failed(exc):
                 self.on_unreachable(target.peer_id)
             return None
         finally:
@@ -476,10 +455,10 @@ class Pairing:
                 if self._valid_accept(resp, target, step):
                     assert resp is not None
                     if sess is None:
-                        sess = self._open(resp.round_id, step, "proposer", [_copy(self.me())])
+                        sess = self._open(resp.round_id, step, "proposer", [copy_peer(self.me(), suspects=False)])
                         sess.deadline = time.monotonic() + eta + self.settings.exchange_timeout
                         self._watch(sess)
-                    sess.members.append(_copy(target))
+                    sess.members.append(copy_peer(target, suspects=False))
                     sess.expect(target.peer_id)
                     sess.stream_round[target.peer_id] = resp.round_id
                     sess.peer_steps[target.peer_id] = resp.step
@@ -619,7 +598,7 @@ class Pairing:
         return PairOutcome(
             step=step,
             round_id=b"",
-            members=[_copy(self.me())],
+            members=[copy_peer(self.me(), suspects=False)],
             contributions={self.my_id: dict(tensors)},
             lost=[],
             match_seconds=match_s,
@@ -656,7 +635,7 @@ class Pairing:
         )
 
     async def close(self) -> None:
-        """Stop matching; let streams that carry our finished contributions deliver them (up to DRAIN_S, so a
+        """Stop matching; let streams that carry our finished contributions deliver them (up to PAIR_DRAIN_S, so a
         partner in its last exchange with us does not lose our tensors), then abandon every group."""
         self._closing = True
         self._ahead_stop = True
@@ -670,7 +649,7 @@ class Pairing:
             if not f.done()
         ]
         if pending:
-            await asyncio.wait(pending, timeout=DRAIN_S)
+            await asyncio.wait(pending, timeout=PAIR_DRAIN_S)
         for sess in list(self._sessions.values()):
             sess.close("shutting down")
         self._sessions.clear()
@@ -758,7 +737,7 @@ class Pairing:
         for msg in tensor_messages(header, payload, self.identity, self.run_id, self.settings.chunk_bytes):
             yield msg
             if msg.WhichOneof("part") == "chunk":
-                FAULTS.on_chunk()
+                faults.EXCHANGE_EXIT.on_chunk()
 
     async def _store(self, sess: _Session, rx: ReceivedTensor, from_peer: str) -> None:
         """Check and decode one received tensor; settle its origin once all its kinds are in."""
@@ -826,7 +805,7 @@ class Pairing:
             self.on_rejected(getattr(exc, "reason", "malformed"))
         except (grpc.aio.AioRpcError, RoundFailed, OSError) as exc:
             sess.settle(pid, False, _describe(exc))
-            if _unreachable(exc):
+            if connection_failed(exc):
                 self.on_unreachable(pid)
         except Exception as exc:
             log.warning("exchange with %s failed unexpectedly: %r", pid[:8], exc)
@@ -960,35 +939,11 @@ async def _next_tensor(
         first = await it.__anext__()
     except StopAsyncIteration:
         return None
-    return await read_tensor(_prepend(first, it), verifier, limit)
-
-
-async def _prepend(first: pb.TensorMessage, rest: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]:
-    yield first
-    while True:
-        try:
-            msg = await rest.__anext__()
-        except StopAsyncIteration:
-            return
-        yield msg
+    return await read_tensor(prepend(first, it), verifier, limit)
 
 
 def _refuse(reason: str) -> pb.MatchResponse:
     return pb.MatchResponse(accepted=False, reason=reason)
-
-
-def _copy(info: pb.PeerInfo) -> pb.PeerInfo:
-    out = pb.PeerInfo()
-    out.CopyFrom(info)
-    out.ClearField("suspects")
-    return out
-
-
-def _unreachable(exc: BaseException) -> bool:
-    """A connection failure (the peer is down), as opposed to a slow or refusing peer."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() == grpc.StatusCode.UNAVAILABLE
-    return isinstance(exc, ConnectionError)
 
 
 def _describe(exc: BaseException) -> str:
