@@ -26,6 +26,24 @@ log = logging.getLogger("peerd")
 
 MAX_MESSAGE_BYTES = 4 << 20  # a 1 MiB chunk plus its framing fits with room to spare; anything larger is refused
 
+# Status codes of a call that got no answer: the peer is down, cut off, or did not answer in time.
+UNREACHABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
+
+
+def connection_failed(exc: BaseException) -> bool:
+    """The peer is down (UNAVAILABLE, or a socket error), as opposed to a slow or refusing peer. Narrower than
+    UNREACHABLE on purpose: a NoLoCo exchange that overruns its deadline on a slow link, or that we cancelled
+    ourselves, says nothing about whether the partner is alive, so it must not mark the partner unreachable."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(exc, ConnectionError)
+
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -230,11 +230,11 @@ def _start(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from peerd.admission import AdmissionError
-    from peerd.daemon import DRAIN_S, Daemon
+    from peerd.daemon import Daemon
     from peerd.errors import Interrupted
     from peerd.gossip import JoinError
     from peerd.identity import Identity, IdentityError
-    from peerd.shutdown import Shutdown
+    from peerd.shutdown import DRAIN_S, Shutdown
     from peerd.worker import Worker
     from trainer.checkpoint import CheckpointError
 

@@ -49,19 +49,13 @@ from peerd.rendezvous import RendezvousLeader
 from peerd.robust import BanList, ContributionGuard
 from peerd.roundclient import RoundClient
 from peerd.service import MembershipService, RoundsService, StateService
+from peerd.shutdown import DRAIN_S
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
-DRAIN_S = 10.0  # at shutdown, how long streams in flight may take to finish (a 17 MB reply at 20 Mbit/s: ~7 s)
 T = TypeVar("T")
-UNREACHABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-}
 
 
 class Daemon:

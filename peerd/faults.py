@@ -100,3 +100,29 @@ class _NoInbound(grpc.aio.ServerInterceptor):
 def inbound_blockers() -> list[grpc.aio.ServerInterceptor]:
     """Server interceptors of the PEERD_FAULT_NO_INBOUND injector (none unless on)."""
     return [_NoInbound()] if NO_INBOUND else []
+
+
+# Exit the process (os._exit(17)) after sending this many NoLoCo exchange chunks: a real peer dies in the middle of a
+# stream, the way a crash would.
+EXCHANGE_EXIT_ENV = "PEERD_FAULT_EXCHANGE_EXIT_AFTER_CHUNKS"
+
+
+class _ExchangeExit:
+    """Counts exchange chunks this process sent, for the EXCHANGE_EXIT_ENV injector."""
+
+    def __init__(self) -> None:
+        raw = _env(EXCHANGE_EXIT_ENV).strip()
+        self.exit_after = int(raw) if raw else None
+        self.sent = 0
+
+    def on_chunk(self) -> None:
+        if self.exit_after is None:
+            return
+        self.sent += 1
+        if self.sent >= self.exit_after:
+            logging.getLogger("peerd").error("fault injection: exiting after sending %d exchange chunks", self.sent)
+            logging.shutdown()
+            os._exit(17)
+
+
+EXCHANGE_EXIT = _ExchangeExit()

@@ -18,6 +18,7 @@ import grpc
 
 from peerd import bootstrap, tls
 from peerd.bootstrap import unspecified
+from peerd.channels import UNREACHABLE
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -28,12 +29,6 @@ if TYPE_CHECKING:
     from peerd.daemon import Daemon
 
 log = logging.getLogger("peerd")
-UNREACHABLE = {  # gRPC codes that mean "nobody answered" rather than "refused"
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-}
 
 
 class JoinError(RuntimeError):

@@ -123,12 +123,12 @@ class Membership:
                 self.forged += 1
                 continue
             if cur is None:
-                self.entries[pid] = Entry(_copy(info), now, now)
+                self.entries[pid] = Entry(copy_peer(info), now, now)
                 new.append(pid)
             else:
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
-                cur.info = _copy(info)
+                cur.info = copy_peer(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
         return new
@@ -160,7 +160,7 @@ class Membership:
         if self._sign is not None and not entry_is_signed(info, self.run_id):
             self.forged += 1
             return
-        entry.info = _copy(info)
+        entry.info = copy_peer(info)
         entry.last_advance = now
 
     def note_step(self, peer_id: str, step: int) -> None:
@@ -264,11 +264,15 @@ class Membership:
 
     def snapshot(self, now: float | None = None) -> View:
         """Publish an immutable view for other threads (called on the loop after every gossip tick)."""
-        self.view = View(tuple(_copy(p) for p in self.alive(now)), len(self.entries) + 1, tuple(self.expected(now)))
+        self.view = View(tuple(copy_peer(p) for p in self.alive(now)), len(self.entries) + 1, tuple(self.expected(now)))
         return self.view
 
 
-def _copy(info: pb.PeerInfo) -> pb.PeerInfo:
+def copy_peer(info: pb.PeerInfo, *, suspects: bool = True) -> pb.PeerInfo:
+    """A copy of a peer entry that later edits of the table cannot reach. `suspects=False` leaves out the peer's ban
+    list, which a NoLoCo group's member list has no use for."""
     out = pb.PeerInfo()
     out.CopyFrom(info)
+    if not suspects:
+        out.ClearField("suspects")
     return out

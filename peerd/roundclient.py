@@ -21,9 +21,9 @@ import grpc
 import torch
 
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
+from peerd.channels import UNREACHABLE
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
-from peerd.gossip import UNREACHABLE
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind
 from peerd.v1 import peerd_pb2 as pb

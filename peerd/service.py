@@ -26,7 +26,7 @@ from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
 from peerd.statesync import check_ranges, state_messages
-from peerd.streams import StreamError, verify_header
+from peerd.streams import StreamError, prepend, verify_header
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -200,7 +200,7 @@ class RoundsService(rpc.RoundsServicer):
                 rnd = await self.rounds.wait_round(first.header.round_id)
                 if rnd is None:
                     raise StreamError("unknown_round", "Reduce: no such round here")
-                async for msg in rnd.serve(_prepend(first, it), self.checks.verifier, sender):
+                async for msg in rnd.serve(prepend(first, it), self.checks.verifier, sender):
                     yield msg
         except StopAsyncIteration:
             await self.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
@@ -290,12 +290,6 @@ class StateService(rpc.StateServicer):
         for msg in state_messages(snap, self.identity, self.cfg.network.chunk_bytes, ranges):
             self.count_sent("state", len(msg.chunk), len(msg.chunk))
             yield msg
-
-
-async def _prepend(first: pb.TensorMessage, rest: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]:
-    yield first
-    async for msg in rest:
-        yield msg
 
 
 def _observed_host(peer: str) -> str:

@@ -23,6 +23,11 @@ log = logging.getLogger("peerd")
 GRACE_S = 2.0  # how long a training worker gets to reach the end of its inner step
 DEADLINE_S = 9.0  # from the first signal to process exit, at the latest
 EXIT_RESERVE_S = 1.5  # of the deadline, kept for the interpreter to exit after the daemon stopped
+DRAIN_S = 10.0  # at shutdown, how long streams in flight may take to finish (a 17 MB reply at 20 Mbit/s: ~7 s)
+# NoLoCo's close lets streams carrying our last contributions finish this long, before the daemon stops and drains.
+# Shorter than DRAIN_S: it comes first and no signal cuts it short, so GRACE_S + this + the daemon's drain must fit
+# within DEADLINE_S, and the trainer waits at most 10 s for the close (peerd/swarm.py).
+PAIR_DRAIN_S = 5.0
 
 
 class Shutdown:

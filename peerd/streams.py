@@ -137,3 +137,15 @@ async def _next(messages: AsyncIterator[pb.TensorMessage], what: str) -> pb.Tens
         return await messages.__anext__()
     except StopAsyncIteration:
         raise StreamError("truncated", f"stream ended while waiting for a {what}") from None
+
+
+async def prepend(first: pb.TensorMessage, rest: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]:
+    """`first` and then the rest of the stream: hand a message read to peek at (which group, which sender) back to a
+    reader that wants the whole stream."""
+    yield first
+    while True:
+        try:
+            msg = await rest.__anext__()
+        except StopAsyncIteration:
+            return
+        yield msg

@@ -22,7 +22,9 @@ import torch
 
 from peerd.allreduce import RoundResult
 from peerd.consistency import Claim
-from peerd.pairing import GrpcTransport, Pairing, PairOutcome, PairSettings
+from peerd.matchmaking import GrpcTransport
+from peerd.pair_exchange import PairSettings
+from peerd.pairing import Pairing, PairOutcome
 from peerd.relay import RelayTransport, pair_targets
 from peerd.statesync import StateSnapshot
 from peerd.v1 import peerd_pb2 as pb

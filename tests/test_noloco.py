@@ -16,8 +16,9 @@ import torch
 
 from peerd.config import RunConfig
 from peerd.demo import global_params, max_param_diff
+from peerd.faults import EXCHANGE_EXIT_ENV as FAULT_ENV
 from peerd.noloco import group_means, noloco_update
-from peerd.pairing import FAULT_ENV, PairSettings
+from peerd.pair_exchange import PairSettings
 from peerd.worker import build_run_model
 from tests.promtools import http_get
 from tests.swarm import Swarm, tiny_config

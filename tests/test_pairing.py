@@ -16,7 +16,8 @@ import torch
 from peerd.codecs import make_codec
 from peerd.envelope import Verifier, sign
 from peerd.identity import Identity
-from peerd.pairing import Pairing, PairingError, PairOutcome, PairSettings
+from peerd.pair_exchange import PairingError, PairSettings
+from peerd.pairing import Pairing, PairOutcome
 from peerd.v1 import peerd_pb2 as pb
 
 RUN_ID = b"r" * 32
