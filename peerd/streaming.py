@@ -47,16 +47,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import math
-import os
 import time
-from collections import deque
-from collections.abc import Mapping
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,213 +60,28 @@ from torch import Tensor, nn
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.codecs import ErrorFeedback
+from peerd.fragment_sync import (
+    Exchange,
+    FragmentState,
+    Schedule,
+    StreamingError,
+    StreamingStats,
+    SyncRecord,
+    fault_delay_from_env,
+    fragment_digest,
+    merge_fragment,
+)
 from peerd.rendezvous import Behind
-from peerd.statesync import tensor_bytes
-from trainer.flat import ParamLayout
-from trainer.fragments import due_fragments, fragment_offsets, split_fragments
-from trainer.outer import NesterovOuter, OuterError, pseudo_gradient, streaming_merge
+from trainer.fragments import fragment_offsets, split_fragments
+from trainer.outer import NesterovOuter, OuterError
 
 if TYPE_CHECKING:
     from peerd.swarm import Swarm
 
 log = logging.getLogger("peerd")
 
-FAULT_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"
 STATS_FILE = "streaming.json"
-MAX_SYNC_RECORDS = 4096  # per-sync records kept for streaming.json (bounded memory on long runs)
 _CLOSE_WAIT_S = 60.0
-
-
-class StreamingError(ValueError):
-    """A bad Streaming DiLoCo setting, fault-injection value or state tensor."""
-
-
-def fault_delay_from_env(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds from PEERD_FAULT_EXCHANGE_DELAY_S (0 when unset); only a finite number in [0, 3600] passes."""
-    raw = (os.environ if environ is None else environ).get(FAULT_DELAY_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise StreamingError(f"{FAULT_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or not 0.0 <= value <= 3600.0:
-        raise StreamingError(f"{FAULT_DELAY_ENV} must be in [0, 3600] seconds, got {raw!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """When each fragment syncs, which round step that is, and when its result is merged."""
-
-    H: int
-    tau: int
-    offsets: tuple[int, ...]
-
-    @classmethod
-    def make(cls, num_fragments: int, H: int, tau: int) -> Schedule:
-        if isinstance(tau, bool) or not isinstance(tau, int) or not 1 <= tau < H:
-            raise StreamingError(f"tau must be an int in [1, H={H}), got {tau!r}")
-        return cls(H, tau, tuple(fragment_offsets(num_fragments, H)))
-
-    def due(self, s: int) -> list[int]:
-        """Fragments whose exchange starts after inner step s (s = steps completed; never at s = 0)."""
-        return due_fragments(s, list(self.offsets), self.H)
-
-    def round_step(self, s: int, p: int) -> int:
-        """The rendezvous step of fragment p's sync at s: k for its sync in cycle k (never negative)."""
-        return (s - self.offsets[p]) // self.H
-
-    def merge_at(self, s: int) -> int:
-        return s + self.tau
-
-    def is_boundary(self, s: int) -> bool:
-        return s > 0 and s % self.H == 0
-
-    def boundary_wait_free(self) -> bool:
-        """True when every fragment's merge point falls before the next cycle boundary (tau <= H - t_last)."""
-        return max(self.offsets) + self.tau <= self.H
-
-
-def fragment_digest(t: Tensor) -> str:
-    """Short content hash of a CPU fp32 fragment, logged per sync so peers' copies can be compared."""
-    return hashlib.blake2b(tensor_bytes(t.detach().to("cpu", torch.float32)), digest_size=16).hexdigest()
-
-
-class FragmentState:
-    """The shared half of Streaming DiLoCo on flat CPU fp32 buffers: the global copy and per-fragment outer
-    momentum.
-
-    Model-free on purpose: these are the numbers that must be bit-identical on every peer, so keeping them
-    apart from the training loop makes that easy to check.
-    """
-
-    def __init__(
-        self, layout: ParamLayout, fragments: list[list[str]], global_params: Tensor, outer: NesterovOuter
-    ) -> None:
-        names = [n for frag in fragments for n in frag]
-        if sorted(names) != sorted(layout.names):
-            raise StreamingError("fragments must cover every parameter of the layout exactly once")
-        layout.check(global_params)
-        self.layout = layout
-        self.fragments = fragments
-        self.global_params = global_params
-        self.outer = outer
-        self.sizes = [layout.fragment_numel(f) for f in fragments]
-
-    def global_fragment(self, p: int) -> Tensor:
-        """A copy of fragment p of the global parameters (flat, in the fragment's name order)."""
-        return self.layout.gather(self.global_params, self.fragments[p])
-
-    def pseudo_gradient(self, p: int, local_p: Tensor) -> Tensor:
-        """global_p - local_p on local_p's device: what this peer contributes to fragment p's round."""
-        return pseudo_gradient(self.global_fragment(p).to(local_p.device), local_p)
-
-    def apply_average(self, p: int, average: Tensor) -> Tensor:
-        """Outer Nesterov step for fragment p with the round's averaged pseudo-gradient; returns global_p."""
-        if average.dim() != 1 or average.numel() != self.sizes[p]:
-            got = average.numel()
-            raise StreamingError(f"fragment {p} needs {self.sizes[p]} values, the round returned {got}")
-        g = self.global_fragment(p)
-        self.outer.step(g, average.to("cpu", torch.float32), key=p)
-        self.layout.scatter_(self.global_params, self.fragments[p], g)
-        return g
-
-    def momentum_flat(self) -> Tensor:
-        """Every fragment's momentum at its parameters' positions in layout order (zeros where none yet)."""
-        flat = torch.zeros(self.layout.numel, dtype=torch.float32)
-        for p, names in enumerate(self.fragments):
-            buf = self.outer.buffers.get(p)
-            if buf is not None:
-                self.layout.scatter_(flat, names, buf.to("cpu"))
-        return flat
-
-    def load(self, params: Tensor, momentum: Tensor) -> None:
-        """Adopt a downloaded or checkpointed state (validated: shapes from our own layout, finite values)."""
-        for name, t in (("params", params), ("outer_momentum", momentum)):
-            try:
-                self.layout.check(t)
-            except ValueError as exc:
-                raise StreamingError(f"state tensor {name!r}: {exc}") from exc
-        self.global_params = params.detach().to("cpu", torch.float32).clone()
-        gather = self.layout.gather
-        self.outer.buffers = {p: gather(momentum, names) for p, names in enumerate(self.fragments)}
-
-
-def merge_fragment(local_p: Tensor, new_global_p: Tensor, alpha: float) -> None:
-    """local_p <- alpha * local_p + (1 - alpha) * new_global_p, in place, on local_p's device."""
-    streaming_merge(local_p, new_global_p.to(local_p.device), alpha)
-
-
-@dataclass
-class SyncRecord:
-    """One fragment round as this peer saw it (written to streaming.json for tests and benchmarks)."""
-
-    fragment: int
-    step: int
-    s: int  # inner step (swarm timeline) at which it started
-    t_start: float  # wall clock (time.time())
-    t_end: float = 0.0  # when the round's future finished
-    outcome: str = "pending"  # applied | behind | failed | dropped
-    digest: str = ""  # fragment_digest of global_p after the update
-    included: int = 0
-    wire_bytes: int = 0
-    received_wire_bytes: int = 0
-    seconds: float = 0.0
-    merge: str = ""  # on_time | late | none
-
-
-@dataclass
-class StreamingStats:
-    syncs_started: int = 0
-    rounds_applied: int = 0
-    rounds_behind: int = 0  # left out of a round that others completed: triggers a resync
-    rounds_failed: int = 0
-    merges_on_time: int = 0
-    merges_skipped: int = 0  # not done at s_start + tau (late_policy "skip"); done when the round landed
-    merge_waits: int = 0  # late_policy "wait": times the trainer blocked at a merge point
-    boundary_waits: int = 0  # times the trainer blocked at a cycle boundary for an unfinished exchange
-    tau: int = 0  # tau = "auto": the latest value chosen (0: fixed tau)
-    wait_seconds: float = 0.0
-    digest_mismatches: int = 0
-    resyncs: int = 0
-    syncs: deque = field(default_factory=lambda: deque(maxlen=MAX_SYNC_RECORDS))
-
-    def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "syncs"}
-        out["syncs"] = [asdict(r) for r in self.syncs]
-        return out
-
-
-class _Exchange:
-    """One fragment's round in flight and what is left to do with it."""
-
-    def __init__(self, record: SyncRecord, merge_at: int, future: Future, ready_at: float) -> None:
-        self.record = record
-        self.merge_at = merge_at
-        self.future = future
-        self.ready_at = ready_at  # monotonic time before which it does not count as landed (fault injection)
-        self.resolved = False  # the global update is applied (or the round is known not to apply)
-        self.merge_pending = True  # the local merge is still to do
-        self.late = False
-        self.sent: Tensor | None = None  # the (error-compensated) contribution, for error feedback
-        future.add_done_callback(self._finished)
-
-    @property
-    def fragment(self) -> int:
-        return self.record.fragment
-
-    def _finished(self, _fut: concurrent.futures.Future) -> None:
-        self.record.t_end = time.time()  # runs on the daemon loop thread: a float store only
-
-    def landed(self) -> bool:
-        return self.future.done() and time.monotonic() >= self.ready_at
-
-    def wait(self) -> None:
-        concurrent.futures.wait([self.future])
-        delay = self.ready_at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
 
 
 class StreamingDiLoCo(OuterAlgorithm):
@@ -310,7 +119,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         # Error feedback per fragment (codec.error_feedback; the sparse codec needs it): what the codec dropped from a
         # fragment's contribution is added to that fragment's next one.
         self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
-        self.pending: dict[int, _Exchange] = {}
+        self.pending: dict[int, Exchange] = {}
         self.s = 0  # inner steps completed, in the swarm's timeline
         self.needs_resync = False
         self._reloaded = False  # state replaced from outside (checkpoint resume, joiner download)
@@ -419,7 +228,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             future.add_done_callback(lambda f, step=step: self._note_members(trainer.swarm, step, f))
 
             ready_at = time.monotonic() + self.fault_delay
-            self.pending[p] = _Exchange(record, self.schedule.merge_at(s), future, ready_at)
+            self.pending[p] = Exchange(record, self.schedule.merge_at(s), future, ready_at)
             self.pending[p].sent = pseudo
             self.stats.syncs_started += 1
             self.stats.syncs.append(record)
@@ -433,7 +242,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             return
         swarm.note_members(step, list(future.result().included))
 
-    def _block(self, trainer: Trainer, ex: _Exchange, why: str) -> None:
+    def _block(self, trainer: Trainer, ex: Exchange, why: str) -> None:
         """Wait for an exchange the schedule cannot go on without; the wait is compute-idle time."""
         t0 = time.perf_counter()
         ex.wait()
@@ -446,7 +255,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.stats.boundary_waits += 1
         self._resolve(ex)
 
-    def _resolve(self, ex: _Exchange) -> None:
+    def _resolve(self, ex: Exchange) -> None:
         """Apply a finished round's global update (identical on every peer of the round), or note why not."""
         ex.resolved = True
         rec = ex.record
@@ -517,7 +326,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             self.schedule = dataclasses.replace(self.schedule, tau=tau)
             self.stats.tau = tau
 
-    def _merge(self, ex: _Exchange) -> None:
+    def _merge(self, ex: Exchange) -> None:
         """local_p <- alpha*local_p + (1-alpha)*global_p, where global_p already holds this round's update."""
         p = ex.fragment
         local = self._local(p)

@@ -163,7 +163,7 @@ def test_algorithms_never_write_the_trainers_step(tmp_path: Path, algorithm: str
 
 
 def test_streaming_auto_tau_follows_measured_round_time(tmp_path: Path) -> None:
-    from peerd.streaming import SyncRecord
+    from peerd.fragment_sync import SyncRecord
 
     trainer = setup(tmp_path, "streaming", FakeSwarm(), inner={"steps": 20}, streaming={"fragments": 2, "tau": "auto"})
     algo = trainer.algorithm

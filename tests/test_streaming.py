@@ -14,17 +14,16 @@ import torch
 
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
-from peerd.identity import Identity
-from peerd.streaming import (
+from peerd.fragment_sync import (
     FAULT_DELAY_ENV,
-    STATS_FILE,
     FragmentState,
     Schedule,
-    StreamingDiLoCo,
     StreamingError,
     fault_delay_from_env,
     merge_fragment,
 )
+from peerd.identity import Identity
+from peerd.streaming import STATS_FILE, StreamingDiLoCo
 from peerd.worker import Worker, build_run_model
 from tests.swarm import Swarm, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
