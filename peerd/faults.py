@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
-from collections.abc import Awaitable, Callable, Sized
+from collections.abc import Awaitable, Callable, Mapping, Sized
 from typing import Any, TypeVar
 
 import grpc
@@ -126,3 +127,22 @@ class _ExchangeExit:
 
 
 EXCHANGE_EXIT = _ExchangeExit()
+
+
+# Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
+# round itself runs normally): a slow link without a slow link.
+EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"
+
+
+def exchange_delay_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds from PEERD_FAULT_EXCHANGE_DELAY_S (0 when unset); only a finite number in [0, 3600] passes."""
+    raw = (os.environ if environ is None else environ).get(EXCHANGE_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{EXCHANGE_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 3600.0:
+        raise ValueError(f"{EXCHANGE_DELAY_ENV} must be in [0, 3600] seconds, got {raw!r}")
+    return value

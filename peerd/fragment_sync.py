@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import math
-import os
 import time
 from collections import deque
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,26 +21,11 @@ from trainer.flat import ParamLayout
 from trainer.fragments import due_fragments, fragment_offsets
 from trainer.outer import NesterovOuter, pseudo_gradient, streaming_merge
 
-FAULT_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"
 MAX_SYNC_RECORDS = 4096  # per-sync records kept for streaming.json (bounded memory on long runs)
 
 
 class StreamingError(ValueError):
     """A bad Streaming DiLoCo setting, fault-injection value or state tensor."""
-
-
-def fault_delay_from_env(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds from PEERD_FAULT_EXCHANGE_DELAY_S (0 when unset); only a finite number in [0, 3600] passes."""
-    raw = (os.environ if environ is None else environ).get(FAULT_DELAY_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise StreamingError(f"{FAULT_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(value) or not 0.0 <= value <= 3600.0:
-        raise StreamingError(f"{FAULT_DELAY_ENV} must be in [0, 3600] seconds, got {raw!r}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from peerd import faults
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.codecs import ErrorFeedback
@@ -67,7 +68,6 @@ from peerd.fragment_sync import (
     StreamingError,
     StreamingStats,
     SyncRecord,
-    fault_delay_from_env,
     fragment_digest,
     merge_fragment,
 )
@@ -111,7 +111,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.state = FragmentState(trainer.layout, fragments, flat, outer)
         self.params: dict[str, nn.Parameter] = dict(trainer.model.named_parameters())
-        self.fault_delay = fault_delay_from_env()
+        self.fault_delay = faults.exchange_delay_s()
         self.resync_timeout = cfg.network.rendezvous_timeout + 10.0
         self.stats = StreamingStats()
         self.stats_path = Path(trainer.data_dir) / STATS_FILE

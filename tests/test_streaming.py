@@ -14,12 +14,12 @@ import torch
 
 from peerd.config import RunConfig
 from peerd.daemon import Daemon
+from peerd.faults import EXCHANGE_DELAY_ENV as FAULT_DELAY_ENV
+from peerd.faults import exchange_delay_s
 from peerd.fragment_sync import (
-    FAULT_DELAY_ENV,
     FragmentState,
     Schedule,
     StreamingError,
-    fault_delay_from_env,
     merge_fragment,
 )
 from peerd.identity import Identity
@@ -69,11 +69,11 @@ def test_schedule_rejects_bad_tau_and_reports_boundary_waits() -> None:
 
 
 def test_fault_delay_env() -> None:
-    assert fault_delay_from_env({}) == 0.0
-    assert fault_delay_from_env({FAULT_DELAY_ENV: "2.5"}) == 2.5
+    assert exchange_delay_s({}) == 0.0
+    assert exchange_delay_s({FAULT_DELAY_ENV: "2.5"}) == 2.5
     for bad in ("nan", "-1", "inf", "soon", "1e9"):
-        with pytest.raises(StreamingError):
-            fault_delay_from_env({FAULT_DELAY_ENV: bad})
+        with pytest.raises(ValueError, match=FAULT_DELAY_ENV):
+            exchange_delay_s({FAULT_DELAY_ENV: bad})
 
 
 # -- fragment update and merge on small tensors --------------------------------------------------------------
