@@ -28,7 +28,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from peerd import faults, reflection, statefetch, tls
+from peerd import faults, reflection, tls
 from peerd.admission import Admission
 from peerd.allreduce import RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -433,21 +433,6 @@ class Daemon:
             return len(self.membership.alive(include_self=False)), len(self.membership.expected()) - 1
 
         return self.call(count(), timeout=10.0)
-
-    def fetch_state(
-        self,
-        min_step: int,
-        expected: dict[str, tuple[int, ...]],
-        timeout: float = 120.0,
-        better: bool = False,
-        base: dict[str, torch.Tensor] | None = None,
-        parts: list[list[tuple[int, int]]] | None = None,
-    ) -> StateSnapshot:
-        """Download the canonical global state (at least `min_step`) from a live peer that holds it. `better`: only
-        a state that outranks ours (a peer asked to resync never adopts a worse state than its own). With `base` (our
-        state) and `parts` (its fragments' ranges), only the fragments whose gossiped digests differ from ours are
-        downloaded and patched in; the whole-state digest is checked after patching."""
-        return self.call(statefetch.fetch_state(self, min_step, expected, timeout, better, base, parts))
 
     def status_message(self, redact: bool = False) -> pb.StatusResponse:
         return status_message(self, redact)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from peerd import statefetch
 from peerd.allreduce import RoundResult
 from peerd.consistency import Claim
 from peerd.matchmaking import GrpcTransport
@@ -216,7 +217,7 @@ class DaemonSwarm:
         base: dict[str, torch.Tensor] | None = None,
         parts: list[list[tuple[int, int]]] | None = None,
     ) -> StateSnapshot:
-        return self.daemon.fetch_state(min_step, expected, timeout, better, base, parts)
+        return self.daemon.call(statefetch.fetch_state(self.daemon, min_step, expected, timeout, better, base, parts))
 
     def open_pairing(self, numel: int) -> PairPort:
         engine = pair_session(self.daemon, numel)
