@@ -33,6 +33,7 @@ from peerd.identity import Identity
 from peerd.robust import ContributionGuard, ContributionRejected, mean_of
 from peerd.streams import StreamError, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
+from peerd.wire import codec_name, codec_to_wire, kind_to_wire
 
 
 class RoundFailed(RuntimeError):
@@ -167,10 +168,9 @@ class ReduceRound:
                 f"contribution for shard {header.shard} of {header.numel} elements "
                 f"does not match this peer's shard {self.me} of {self.shard_numel(self.me)}",
             )
-        if header.codec != self.codec.name:
-            raise StreamError(
-                "wrong_codec", f"contribution uses codec {header.codec!r}, the run uses {self.codec.name!r}"
-            )
+        if codec_name(header.codec) != self.codec.name:
+            theirs = codec_name(header.codec) or header.codec
+            raise StreamError("wrong_codec", f"contribution uses codec {theirs!r}, the run uses {self.codec.name!r}")
         return self.codec.max_encoded_size(self.shard_numel(self.me))
 
     async def add_contribution(self, sender: str, payload: bytes | bytearray) -> None:
@@ -239,9 +239,9 @@ class ReduceRound:
             round_id=self.group.round_id,
             shard=self.me,
             numel=self.shard_numel(self.me),
-            codec=self.codec.name,
+            codec=codec_to_wire(self.codec.name),
             included=self.ids,
-            kind="gather",
+            kind=kind_to_wire("gather"),
         )
         self.stats.wire_bytes += len(encoded)
         self.stats.raw_bytes += 4 * self.shard_numel(self.me)
@@ -365,7 +365,11 @@ class ReduceRound:
     ) -> torch.Tensor:
         member = self.group.members[self.owners[j]]
         header = pb.TensorHeader(
-            round_id=self.group.round_id, shard=j, numel=self.shard_numel(j), codec=self.codec.name, kind="reduce"
+            round_id=self.group.round_id,
+            shard=j,
+            numel=self.shard_numel(j),
+            codec=codec_to_wire(self.codec.name),
+            kind=kind_to_wire("reduce"),
         )
         self.stats.wire_bytes += len(payload)
         self.stats.raw_bytes += 4 * self.shard_numel(j)

@@ -22,6 +22,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
+# different revisions never meet in one run; the Join refusal names the field "protocol".
+PROTOCOL = 2
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
@@ -303,8 +306,9 @@ class RunConfig:
         this peer stops, so a peer may leave early or a restart may train longer without forking the run."""
         spec = {name: dataclasses.asdict(getattr(self, name)) for name in SPEC_SECTIONS}
         del spec["run"]["outer_steps"]
-        if self.codec.name != "sparse":  # always the defaults then: left out, so older peers' run ids still match
+        if self.codec.name != "sparse":  # always the defaults then: left out of the spec
             del spec["codec"]["density"], spec["codec"]["bits"]
+        spec["protocol"] = PROTOCOL
         return spec
 
     def spec_json(self) -> str:

@@ -36,6 +36,7 @@ from peerd.identity import Identity
 from peerd.shutdown import PAIR_DRAIN_S
 from peerd.streams import ReceivedTensor, StreamError, prepend, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
+from peerd.wire import codec_name, codec_to_wire, kind_name, kind_to_wire
 
 log = logging.getLogger("peerd")
 
@@ -284,9 +285,9 @@ class Exchange:
             round_id=sess.round_for(to),
             shard=origin,
             numel=self.numel,
-            codec=self.codec.name,
+            codec=codec_to_wire(self.codec.name),
             included=sess.member_ids,
-            kind=kind,
+            kind=kind_to_wire(kind),
         )
         if relay:  # our own tensors were counted when handed over (_set_own)
             sess.stats.wire_bytes += len(payload)
@@ -307,17 +308,18 @@ class Exchange:
         origin = ids[h.shard]
         if origin == self.my_id or (origin != from_peer and from_peer != sess.proposer):
             raise StreamError("malformed", "a peer may only send its own tensors (the proposer relays)", rx.sender)
-        if h.kind not in KINDS:
+        kind = kind_name(h.kind)
+        if kind not in KINDS:
             raise StreamError("malformed", f"unknown tensor kind {h.kind!r}", rx.sender)
         got = sess.received.setdefault(origin, {})
-        if h.kind in got:
-            raise StreamError("duplicate", f"{h.kind} of {origin[:8]} arrived twice", rx.sender)
+        if kind in got:
+            raise StreamError("duplicate", f"{kind} of {origin[:8]} arrived twice", rx.sender)
         payload = bytes(rx.payload)
         loop = asyncio.get_running_loop()
-        got[h.kind] = await loop.run_in_executor(self.executor, self.codec.decode, payload, self.numel)
+        got[kind] = await loop.run_in_executor(self.executor, self.codec.decode, payload, self.numel)
         sess.stats.received_wire_bytes += len(payload)
         if sess.role == "proposer" and len(ids) > 2:
-            sess.raw.setdefault(origin, {})[h.kind] = payload
+            sess.raw.setdefault(origin, {})[kind] = payload
         if len(got) == len(KINDS):
             sess.settle(origin, True)
 
@@ -329,8 +331,9 @@ class Exchange:
         async def limit(sender: str, header: pb.TensorHeader) -> int:
             if header.numel != self.numel:
                 raise StreamError("wrong_shape", f"tensor of {header.numel} values; this run's has {self.numel}")
-            if header.codec != self.codec.name:
-                raise StreamError("wrong_codec", f"codec {header.codec!r}; this run uses {self.codec.name!r}")
+            if codec_name(header.codec) != self.codec.name:
+                theirs = codec_name(header.codec) or header.codec
+                raise StreamError("wrong_codec", f"codec {theirs!r}; this run uses {self.codec.name!r}")
             sess = sess_for(sender, header)
             if sender not in sess.member_ids:
                 raise StreamError("not_member", f"{sender[:8]} is not in this group")

@@ -76,10 +76,12 @@ class RoundClient:
         return steps[(len(steps) - 1) // 2] if steps else self.d.status.outer_step  # the lower median
 
     async def _rendezvous(
-        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes
+        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes, avoid: set[str]
     ) -> pb.RendezvousResponse:
+        """Find the round's leader and join its group. `suspects` go to the leader (it stops waiting for them);
+        `avoid` (peers we have our own evidence against) are also skipped as leaders."""
         assert self.d.leader is not None and self.d.channels is not None
-        tried = set(suspects)
+        tried = set(avoid)
         gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
         # us back to a peer it has not noticed is dead (that made two survivors lead groups of one each)
         target: pb.PeerInfo | None = None
@@ -216,12 +218,13 @@ class RoundClient:
     async def allreduce(
         self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
     ) -> RoundResult:
-        suspects: set[str] = set()
+        suspects: set[str] = set()  # everyone blamed for a failed attempt: the leader stops waiting for them
+        avoid: set[str] = set()  # of those, the ones we blame on our own evidence: not even asked to lead
         failed_round = b""
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round)
+            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round, avoid)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
@@ -255,7 +258,11 @@ class RoundClient:
                     self.d.metrics.record_failure(exc.reason)
                     self.d.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
                 suspects |= exc.suspects - {self.d.identity.peer_id}
-                if exc.reason != "aborted":  # "aborted" suspects are another member's word: skip them, no more
+                # "aborted" suspects are another member's word, and a hostile member may name an honest peer: a member
+                # that skipped an honest leader on its word led a group of its own (with the hostile peer) and the
+                # swarm split for the step. So they are only told to the leader, which keeps out whom it blames itself.
+                if exc.reason != "aborted":
+                    avoid |= exc.suspects - {self.d.identity.peer_id}
                     for s in exc.suspects:
                         self.d.membership.mark_unreachable(s)
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)

@@ -115,6 +115,11 @@ class MembershipService(rpc.MembershipServicer):
         except ValueError:
             fields = []
         named = ", ".join(fields) if fields else "(the joiner did not send a readable spec)"
+        if "protocol" in fields:
+            return (
+                f"run spec differs from this run's: {named}. The peers run peerd releases that speak different wire "
+                f"protocol revisions (this peer: {mine.get('protocol')}); run the same peerd release as the others."
+            )
         return f"run spec differs from this run's: {named}. Use the same run.toml as the other peers."
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:

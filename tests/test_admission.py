@@ -233,7 +233,8 @@ def _requests(run: Run, ident: Identity, adm: Admission | None) -> dict[str, obj
         run_id = run.cfg.run_id()
         info = pb.PeerInfo(peer_id=ident.peer_id, public_key=ident.public_key, address="127.0.0.1:9")
         sign_entry(info, run_id, ident.sign)  # as a real peer does: gossip refuses entries not signed by their subject
-        header = sign(pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=4, codec="fp32"), HEADER_METHOD, ident, run_id)
+        tensor = pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=4, codec=pb.CODEC_FP32)
+        header = sign(tensor, HEADER_METHOD, ident, run_id)
         return {
             "Join": sign(pb.JoinRequest(self=info, run_spec_json=run.cfg.spec_json()), "Join", ident, run_id),
             "Gossip": sign(pb.GossipRequest(peers=[info]), "Gossip", ident, run_id),

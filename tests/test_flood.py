@@ -82,7 +82,7 @@ class Flood:
 
         def messages() -> Iterator[pb.TensorMessage]:
             if with_header:
-                header = pb.TensorHeader(round_id=b"s" * 32, shard=0, numel=1000, codec="fp32", wire_bytes=4096)
+                header = pb.TensorHeader(round_id=b"s" * 32, shard=0, numel=1000, codec=pb.CODEC_FP32, wire_bytes=4096)
                 yield pb.TensorMessage(header=sign(header, HEADER_METHOD, self.me, self.run_id))
             self.stop.wait()
 

@@ -53,6 +53,26 @@ def test_join_with_a_different_run_spec_names_the_fields(peer, tmp_path: Path) -
     _still_serving(peer)
 
 
+def test_join_from_another_protocol_revision_says_to_run_the_same_release(peer) -> None:
+    import hashlib
+    import json
+
+    from peerd.membership import sign_entry
+
+    spec = peer.config.spec()
+    spec["protocol"] -= 1  # what a peer of the previous release sends
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    run_id = hashlib.sha256(text.encode()).digest()
+    ident = Identity.generate()
+    info = pb.PeerInfo(peer_id=ident.peer_id, public_key=ident.public_key, address="127.0.0.1:9", heartbeat=1)
+    sign_entry(info, run_id, ident.sign)
+    req = sign(pb.JoinRequest(self=info, run_spec_json=text), "Join", ident, run_id)
+    err = _call(peer, lambda ch: rpc.MembershipStub(ch).Join(req, timeout=5))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "protocol" in err.details() and "same peerd release" in err.details(), err.details()
+    _still_serving(peer)
+
+
 def test_forged_signature_and_impersonation_are_refused(peer) -> None:
     run_id = peer.config.run_id()
     me, victim = Identity.generate(), Identity.generate()
@@ -87,7 +107,7 @@ def test_malformed_and_oversized_chunks_are_refused(peer) -> None:
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # A header whose signature does not match.
     header = sign(
-        pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=10, codec="fp32"), "peerd.v1.TensorHeader", me, run_id
+        pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=10, codec=pb.CODEC_FP32), "peerd.v1.TensorHeader", me, run_id
     )
     header.numel = 1 << 40  # tampered after signing
     err = _call(peer, lambda ch: list(rpc.RoundsStub(ch).Reduce(iter([pb.TensorMessage(header=header)]), timeout=5)))

@@ -172,7 +172,8 @@ def _replayed_stale_and_forged_are_refused_over_tls(addr: str, run_id: bytes) ->
         err = refused(lambda: members.Leave(leave, timeout=5))
         assert "signature" in err.details()
         # A tensor header signed by one peer but naming another's key: no fragment on someone else's behalf.
-        header = sign(pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=4, codec="fp32"), HEADER_METHOD, me, run_id)
+        tensor = pb.TensorHeader(round_id=b"r" * 32, shard=0, numel=4, codec=pb.CODEC_FP32)
+        header = sign(tensor, HEADER_METHOD, me, run_id)
         header.auth.public_key = victim.public_key
         err = refused(lambda: list(rounds.Reduce(iter([pb.TensorMessage(header=header)]), timeout=5)))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "signature" in err.details()

@@ -1,10 +1,43 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_FP8: _ClassVar[Codec]
+    CODEC_E3M0: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
+    CODEC_SPARSE: _ClassVar[Codec]
+
+class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENSOR_KIND_UNSPECIFIED: _ClassVar[TensorKind]
+    TENSOR_KIND_REDUCE: _ClassVar[TensorKind]
+    TENSOR_KIND_GATHER: _ClassVar[TensorKind]
+    TENSOR_KIND_PHI: _ClassVar[TensorKind]
+    TENSOR_KIND_PAIR: _ClassVar[TensorKind]
+CODEC_UNSPECIFIED: Codec
+CODEC_FP32: Codec
+CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_FP8: Codec
+CODEC_E3M0: Codec
+CODEC_INT4: Codec
+CODEC_SPARSE: Codec
+TENSOR_KIND_UNSPECIFIED: TensorKind
+TENSOR_KIND_REDUCE: TensorKind
+TENSOR_KIND_GATHER: TensorKind
+TENSOR_KIND_PHI: TensorKind
+TENSOR_KIND_PAIR: TensorKind
 
 class Auth(_message.Message):
     __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
@@ -179,7 +212,7 @@ class RoundSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "spread", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
+    __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -203,7 +236,6 @@ class StatusResponse(_message.Message):
     REJECTED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SOLO_STEPS_FIELD_NUMBER: _ClassVar[int]
     RECENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    SPREAD_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -240,7 +272,6 @@ class StatusResponse(_message.Message):
     rejected_messages: int
     solo_steps: int
     recent_rounds: _containers.RepeatedCompositeFieldContainer[RoundSummary]
-    spread: float
     finished: bool
     state: str
     history: _containers.RepeatedCompositeFieldContainer[OuterStepRecord]
@@ -254,7 +285,7 @@ class StatusResponse(_message.Message):
     expected: _containers.RepeatedScalarFieldContainer[str]
     reachability: str
     relayed_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., spread: _Optional[float] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ..., work: _Optional[int] = ..., state_downloads: _Optional[int] = ..., forks_healed: _Optional[int] = ..., alone_since: _Optional[str] = ..., expected: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., address: _Optional[str] = ..., algorithm: _Optional[str] = ..., codec: _Optional[str] = ..., outer_step: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., last_round: _Optional[_Union[RoundSummary, _Mapping]] = ..., bytes_sent_raw: _Optional[int] = ..., bytes_sent_wire: _Optional[int] = ..., bytes_received_wire: _Optional[int] = ..., compute_idle_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., rounds_partial: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., solo_steps: _Optional[int] = ..., recent_rounds: _Optional[_Iterable[_Union[RoundSummary, _Mapping]]] = ..., finished: _Optional[bool] = ..., state: _Optional[str] = ..., history: _Optional[_Iterable[_Union[OuterStepRecord, _Mapping]]] = ..., redacted: _Optional[bool] = ..., banned: _Optional[_Iterable[str]] = ..., rejected_contributions: _Optional[int] = ..., work: _Optional[int] = ..., state_downloads: _Optional[int] = ..., forks_healed: _Optional[int] = ..., alone_since: _Optional[str] = ..., expected: _Optional[_Iterable[str]] = ..., reachability: _Optional[str] = ..., relayed_bytes: _Optional[int] = ...) -> None: ...
 
 class OuterStepRecord(_message.Message):
     __slots__ = ("outer_step", "loss", "eval_loss", "tokens_per_second")
@@ -317,24 +348,24 @@ class RendezvousResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "codec", "included", "kind")
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     round_id: bytes
     shard: int
     numel: int
     wire_bytes: int
-    codec: str
     included: _containers.RepeatedScalarFieldContainer[str]
-    kind: str
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., codec: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., kind: _Optional[str] = ...) -> None: ...
+    codec: Codec
+    kind: TensorKind
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ...) -> None: ...
 
 class TensorTrailer(_message.Message):
     __slots__ = ("digest", "signature")
@@ -399,22 +430,20 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "inner_lr_scale", "work", "ranges")
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "work", "ranges")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
-    INNER_LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     state_digest: bytes
-    inner_lr_scale: float
     work: int
     ranges: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., inner_lr_scale: _Optional[float] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

@@ -70,19 +70,26 @@ class MembershipServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A new peer, once, through a bootstrap address (deadline 5 s, retried with backoff up to --join-timeout; also every
+        re-dial of a bootstrap address). Preceded by a Probe of the joiner. FAILED_PRECONDITION names the spec fields
+        that differ; PERMISSION_DENIED: not admitted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Gossip(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Push-pull: every gossip_interval to up to 3 random live peers, and to dead peers being re-dialled (deadline
+        max(2 s, gossip_interval)). A caller that gets an "unreachable" code marks the peer unreachable.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Best effort at shutdown, to every live dialable peer (deadline min(2 s, drain)); the signed entry with left = true
+        becomes a tombstone that gossip spreads.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -95,14 +102,15 @@ class MembershipServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Probe(self, request, context):
-        """dial me back at my address: am I reachable?
+        """Before its first Join a joiner asks the bootstrap peer to dial it back at its announced address (deadline a few
+        seconds; the prober's own dial-back deadline is 1.5 s). Rate-limited per source; dials only the caller's host.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ProbeEcho(self, request, context):
-        """the dial-back (see ProbeEchoRequest)
+        """the dial-back; NOT_FOUND for an unknown nonce
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -350,25 +358,42 @@ class RoundsServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Rendezvous(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """DiLoCo / Streaming: join the group for (step, fragment, the caller's lineage = state_digest). Answered when the
+        group closes: when every expected peer joined, or at the leader's deadline (network.rendezvous_timeout, extended
+        up to twice while fewer than a majority of the live expected peers joined). The caller waits up to
+        3 x rendezvous_timeout + 10 s, and gives up at once when the leader has been silent in gossip for 2 x peer_timeout.
+        FAILED_PRECONDITION: the caller is not in the leader's table yet (Join first).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Reduce(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """One stream per (member, shard owner), deadline: what is left of network.round_timeout. Member -> owner: header
+        (kind REDUCE, shard = the owner's index), chunks, trailer. Owner -> member, once every contribution arrived and was
+        summed: header (kind GATHER, included = whose contributions it averages), chunks, trailer: the same bytes to
+        every member. If the round fails on the owner (a contribution broke off, was refused, or timed out), the owner
+        ends every stream of the round with ABORTED and trailing metadata `peerd-suspects`: comma-separated peer ids it
+        blames (peerd/allreduce.py suspects_metadata); members skip them in the retry, as another member's word, not as
+        proof. INVALID_ARGUMENT: this stream itself was malformed; PERMISSION_DENIED: the sender is banned or not admitted.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Match(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """NoLoCo: propose a group for a step (deadline 2 x 1 s hold + 1 s). The target may hold the call up to 1 s while its
+        own proposal is outstanding. accepted = false carries the reason ("busy", "not ready", "too far ahead", ...).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Exchange(self, request_iterator, context):
-        """NoLoCo pair exchange
+        """NoLoCo pair exchange, opened by the proposer once accepted (deadline network.round_timeout). Each direction
+        carries, per member and in this order, header (kind PHI) + chunks + trailer, then header (kind PAIR) + chunks +
+        trailer; the proposer also relays every other member's tensors unchanged in groups larger than two. ABORTED: the
+        accepter dropped the group (it timed out waiting, or is closing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -537,7 +562,11 @@ class StateServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Download(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Server stream: header (what follows, the state's digest and work), chunks of raw little-endian float32, then a
+        signed trailer over every byte. The caller checks sizes against its own layout first, then the digest against
+        the one the server gossiped. Deadline: network.round_timeout (whole downloads), or about one rendezvous for
+        Streaming's per-fragment patches. UNAVAILABLE: no state at step >= min_step here (try another holder).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -614,14 +643,19 @@ class RelayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Attach(self, request_iterator, context):
-        """held open by an outbound-only peer
+        """Held open by an outbound-only peer for as long as it runs (no deadline). First frame from the peer: auth. Then
+        frames from the relay open calls (method set, call number new), carry their payloads and end them (end or error);
+        the peer answers on the same call numbers. FAILED_PRECONDITION: this peer does not relay; RESOURCE_EXHAUSTED: it
+        carries as many attached peers as it will.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request_iterator, context):
-        """one relayed call for an attached peer
+        """One relayed call for an attached peer: first frame auth + target + method; then payload frames both ways, as the
+        relayed call would carry them; the deadline is the relayed call's own. UNAVAILABLE: the target is not attached
+        here; RESOURCE_EXHAUSTED: the target's byte or call budget is spent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
