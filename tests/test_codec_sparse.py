@@ -23,9 +23,7 @@ from peerd.codecs import (
 )
 from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, MAX_SPARSE_BLOCK, SparseCodec
 from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig
-from tests.swarm import Swarm, tiny_config
 from tests.test_codec_corruption import reseal, with_fields
-from tests.test_swarm_diloco import assert_identical_globals
 
 N = 1000
 
@@ -291,25 +289,7 @@ def test_wire_ratio_is_what_the_docs_say() -> None:
     assert per_block == 11.5 and math.isclose(1024 / per_block, 89.04, rel_tol=1e-3)
 
 
-# -- a real swarm -------------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["diloco", "streaming"])
-def test_three_peers_with_the_sparse_codec_agree(tmp_path: Path, algorithm: str) -> None:
-    cfg = tiny_config(
-        tmp_path, run__outer_steps=4, run__algorithm=algorithm, codec__name="sparse", codec__error_feedback=True
-    )
-    with Swarm(tmp_path, 3, cfg) as swarm:
-        swarm.wait_exit(180)
-    assert_identical_globals([p.data_dir for p in swarm.peers])
-    for p in swarm.peers:
-        s = p.summary()
-        assert s["rounds_partial"] == 0 and s["outer_step"] == 4
-        assert s["history"][-1]["loss"] < s["history"][0]["loss"]
-        # sparse frames: far under a twentieth of the fp32 bytes, headers, scales and indices included (the tiny
-        # model's shards are a few blocks each, so fixed per-frame costs weigh more than on a real model)
-        assert s["bytes_sent_wire"] * 20 < s["bytes_sent_raw"], s
-
-
+# -- in a swarm: tests/test_codec_swarm.py (3 peers, DiLoCo and Streaming, identical globals) -----------------------
 def test_the_daemon_builds_the_sparse_codec_the_config_asks_for(tmp_path: Path) -> None:
     from peerd.daemon import Daemon
     from peerd.identity import Identity
