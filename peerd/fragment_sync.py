@@ -160,6 +160,7 @@ class StreamingStats:
     merge_waits: int = 0  # late_policy "wait": times the trainer blocked at a merge point
     boundary_waits: int = 0  # times the trainer blocked at a cycle boundary for an unfinished exchange
     tau: int = 0  # tau = "auto": the latest value chosen (0: fixed tau)
+    merges_postponed: int = 0  # tau = "auto": inner steps a merge moved on because its round had not landed
     wait_seconds: float = 0.0
     digest_mismatches: int = 0
     resyncs: int = 0

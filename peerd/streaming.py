@@ -158,6 +158,12 @@ class StreamingDiLoCo(OuterAlgorithm):
             if ex.resolved and ex.merge_pending and ex.late:
                 self._merge(ex)
         for ex in [e for e in self.pending.values() if e.merge_pending and e.merge_at == s]:
+            if not ex.resolved and self.auto_tau and not self.schedule.is_boundary(s):
+                # "auto": a round slower than measured moves its own merge point on, step by step, instead of
+                # blocking; the cycle boundary still waits for it (_finish_cycle)
+                ex.merge_at = s + 1
+                self.stats.merges_postponed += 1
+                continue
             if not ex.resolved:
                 if self.late_policy == "wait":
                     self._block(trainer, ex, "merge")
