@@ -10,6 +10,8 @@ momentum) as flat fp32 CPU tensors so it can be checkpointed and served to joine
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,26 @@ class StepDone:
     step: int
     result: Any = None  # the round behind it (allreduce.RoundResult), None after a state download
     published: bool = False
+
+
+class StepTimer:
+    """Moving average of one inner step's wall time, from the gaps between an algorithm's `after_inner_step` calls
+    (NoLoCo's readiness estimate, Streaming's auto tau). The gap that also holds the outer step's evaluation and
+    checkpoint is left out (`counted=False`), and so is the one after `restart` (a round or download in between)."""
+
+    def __init__(self) -> None:
+        self.seconds = math.nan
+        self._last: float | None = None
+
+    def tick(self, counted: bool = True) -> None:
+        now = time.perf_counter()
+        if self._last is not None and counted:
+            dt = now - self._last
+            self.seconds = dt if math.isnan(self.seconds) else 0.8 * self.seconds + 0.2 * dt
+        self._last = now
+
+    def restart(self) -> None:
+        self._last = None
 
 
 class Trainer(Protocol):

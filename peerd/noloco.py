@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
+from peerd.algorithm import OuterAlgorithm, StepDone, StepTimer, Trainer
 from peerd.allreduce import RoundResult
 from peerd.v1 import peerd_pb2 as pb
 from trainer.outer import noloco_step
@@ -105,24 +105,24 @@ class NoLoCo(OuterAlgorithm):
         self.momentum = torch.zeros_like(self.phi)
         self.swarm: Swarm = trainer.swarm
         self.pairing = trainer.swarm.open_pairing(self.phi.numel())
-        self._step_s = math.nan  # moving average of one inner step's duration
-        self._last_tick: float | None = None
+        self.step_timer = StepTimer()
         self._ahead_step: int | None = None
 
     # -- the outer step ------------------------------------------------------------------------------------------
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
-        self._time_inner_step(t)
+        self.step_timer.tick(counted=t % self.H != 0)  # the first step of a phase also timed evaluation
+        step_s = self.step_timer.seconds
         done = (t + 1) % self.H
         if done:
-            eta = (self.H - done) * self._step_s if math.isfinite(self._step_s) else math.inf
-            self.pairing.progress(trainer.outer_step, eta, self.H * self._step_s)
+            eta = (self.H - done) * step_s if math.isfinite(step_s) else math.inf
+            self.pairing.progress(trainer.outer_step, eta, self.H * step_s)
             if self.send_ahead and self._ahead_step != trainer.outer_step:
                 self._start_ahead(trainer.outer_step)  # first phase, or after a resync/resume
             return None
         step = trainer.outer_step
         if self._must_resync(step):
             trainer.resync(self.swarm.swarm_step())
-            self._last_tick = None
+            self.step_timer.restart()
             return StepDone(trainer.outer_step)
         theta = trainer.layout.flatten(trainer.model).detach().float().cpu()
         tensors = {"phi": self.phi - self.phi_ref, "pair": theta - self.phi}
@@ -135,7 +135,7 @@ class NoLoCo(OuterAlgorithm):
         last = trainer.cfg.run.outer_steps
         if self.send_ahead and not (last and step + 1 >= last):  # no partner to promise a step we will not take
             self._start_ahead(step + 1)
-        self._last_tick = None
+        self.step_timer.restart()
         return StepDone(step + 1, result)
 
     def apply(self, outcome: PairOutcome) -> torch.Tensor:
@@ -161,15 +161,6 @@ class NoLoCo(OuterAlgorithm):
             beta=self.beta,
             gamma=self.gamma,
         )
-
-    def _time_inner_step(self, t: int) -> None:
-        """Estimate an inner step's duration (for the pairing's readiness estimate); the first step of a phase also
-        timed evaluation and checkpointing, so it is not counted."""
-        now = time.perf_counter()
-        if self._last_tick is not None and t % self.H:
-            dt = now - self._last_tick
-            self._step_s = dt if math.isnan(self._step_s) else 0.8 * self._step_s + 0.2 * dt
-        self._last_tick = now
 
     def _must_resync(self, step: int) -> bool:
         """True when every live peer is more than max_staleness steps ahead: nobody can pair with us any more."""

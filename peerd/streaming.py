@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from peerd import faults
-from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
+from peerd.algorithm import OuterAlgorithm, StepDone, StepTimer, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.codecs import ErrorFeedback
 from peerd.fragment_sync import (
@@ -104,9 +104,8 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.tau_max = max(1, min(self.H - 1, self.H - max(offsets)))  # merges never cross a cycle boundary
         tau = self.tau_max if self.auto_tau else int(sc.tau)
         self.schedule = Schedule.make(len(fragments), self.H, tau)
-        self._step_s = math.nan  # moving averages: one inner step, one fragment round (start to landed)
+        self.step_timer = StepTimer()  # one inner step, and (below) one fragment round from start to landed
         self._round_s = math.nan
-        self._last_tick: float | None = None
         flat = trainer.layout.flatten(trainer.model).detach().to("cpu", torch.float32).clone()
         outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.state = FragmentState(trainer.layout, fragments, flat, outer)
@@ -151,7 +150,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             self._reposition(trainer)
         self.s += 1
         s = self.s
-        self._time_inner_step(s)
+        self.step_timer.tick(counted=(s - 1) % self.H != 0)  # the step after a boundary also timed evaluation
         for ex in list(self.pending.values()):  # results that already landed: apply their global update now
             if not ex.resolved and ex.landed():
                 self._resolve(ex)
@@ -300,15 +299,6 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.last_result = result
 
     # -- tau = "auto" -----------------------------------------------------------------------------------------
-    def _time_inner_step(self, s: int) -> None:
-        """Average one inner step's duration; the step after a cycle boundary also timed evaluation and
-        checkpointing, so it is not counted."""
-        now = time.perf_counter()
-        if self._last_tick is not None and (s - 1) % self.H:
-            dt = now - self._last_tick
-            self._step_s = dt if math.isnan(self._step_s) else 0.8 * self._step_s + 0.2 * dt
-        self._last_tick = now
-
     def _retune(self, rec: SyncRecord) -> None:
         """tau = "auto": the merge point moves to where a round of the measured length has landed (x1.25 for
         jitter), capped so merges never cross a cycle boundary. tau only decides when the *local* merge happens;
@@ -318,16 +308,17 @@ class StreamingDiLoCo(OuterAlgorithm):
             return
         took = rec.t_end - rec.t_start
         self._round_s = took if math.isnan(self._round_s) else 0.7 * self._round_s + 0.3 * took
-        if not (self._step_s > 0 and math.isfinite(self._round_s)):
+        step_s = self.step_timer.seconds
+        if not (step_s > 0 and math.isfinite(self._round_s)):
             return
-        tau = min(max(math.ceil(1.25 * self._round_s / self._step_s), 1), self.tau_max)
+        tau = min(max(math.ceil(1.25 * self._round_s / step_s), 1), self.tau_max)
         if tau != self.schedule.tau:
             log.info(
                 "streaming: tau %d -> %d inner steps (rounds take %.0f ms, an inner step %.0f ms)",
                 self.schedule.tau,
                 tau,
                 1000 * self._round_s,
-                1000 * self._step_s,
+                1000 * step_s,
             )
             self.schedule = dataclasses.replace(self.schedule, tau=tau)
             self.stats.tau = tau

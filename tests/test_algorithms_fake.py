@@ -168,13 +168,13 @@ def test_streaming_auto_tau_follows_measured_round_time(tmp_path: Path) -> None:
     trainer = setup(tmp_path, "streaming", FakeSwarm(), inner={"steps": 20}, streaming={"fragments": 2, "tau": "auto"})
     algo = trainer.algorithm
     assert algo.tau_max == 10 and algo.schedule.tau == 10  # nothing measured: the cap (offsets 0 and 10)
-    algo._step_s = 0.02
+    algo.step_timer.seconds = 0.02
     algo._retune(SyncRecord(fragment=0, step=0, s=0, t_start=100.0, t_end=100.1))  # 100 ms: 1.25 * 5 steps
     assert algo.schedule.tau == 7 and algo.stats.tau == 7
     algo._retune(SyncRecord(fragment=1, step=0, s=10, t_start=200.0, t_end=205.0))  # a slow link: capped
     assert algo.schedule.tau == 10
     fixed = setup(tmp_path, "streaming", FakeSwarm(), inner={"steps": 20}, streaming={"fragments": 2, "tau": 3})
-    fixed.algorithm._step_s = 0.02
+    fixed.algorithm.step_timer.seconds = 0.02
     fixed.algorithm._retune(SyncRecord(fragment=0, step=0, s=0, t_start=100.0, t_end=101.0))
     assert fixed.algorithm.schedule.tau == 3  # a fixed tau is left alone
 
