@@ -400,14 +400,6 @@ class Daemon:
 
         return self.call(best(), timeout=10.0)
 
-    def swarm_step(self) -> int:
-        """The newest outer step any live peer reports (NoLoCo catches up to it; it has no single model to rank)."""
-
-        async def newest() -> int:
-            return max((p.outer_step for p in self.membership.alive(include_self=False)), default=-1)
-
-        return self.call(newest(), timeout=10.0)
-
     def all_finished(self, ranked: bool = True) -> bool:
         """Nobody still needs us to serve our state: no peer the run expects is still training, and (for DiLoCo and
         Streaming, `ranked`) every live finished peer holds the state we hold. A peer that finished on another state

@@ -24,6 +24,7 @@ from peerd import statefetch
 from peerd.allreduce import RoundResult
 from peerd.consistency import Claim
 from peerd.matchmaking import GrpcTransport
+from peerd.membership import copy_peer
 from peerd.pair_exchange import PairSettings
 from peerd.pairing import Pairing, PairOutcome
 from peerd.relay import RelayTransport, pair_targets
@@ -136,8 +137,7 @@ def _with_known_steps(daemon: Daemon) -> list[pb.PeerInfo]:
     """Live peers (copies) with the newest step we know each finished: gossip, or an exchange it had with us."""
     out = []
     for p in daemon.membership.alive(include_self=False):
-        q = pb.PeerInfo()
-        q.CopyFrom(p)
+        q = copy_peer(p)
         q.outer_step = daemon.membership.step_of(p)
         out.append(q)
     return out
@@ -200,10 +200,10 @@ class DaemonSwarm:
         return self.daemon.canonical(min_step)
 
     def swarm_step(self) -> int:
-        return self.daemon.swarm_step()
+        return max(self.peer_steps(), default=-1)
 
     def peer_steps(self) -> list[int]:
-        async def steps() -> list[int]:
+        async def steps() -> list[int]:  # on the loop, which owns the table
             return [p.outer_step for p in self.daemon.membership.alive(include_self=False)]
 
         return self.daemon.call(steps(), timeout=10.0)
