@@ -65,6 +65,7 @@ class Trainer(Protocol):
     layout: ParamLayout
     data_dir: Path
     swarm: Swarm
+    tokens_per_step: int  # tokens one inner step trains on (the weight of a contribution is counted in these)
 
     @property
     def outer_step(self) -> int: ...

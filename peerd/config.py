@@ -70,12 +70,18 @@ class InnerSection:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     total_steps: int = 0  # >0: cosine decay of the inner lr to 10% at this inner step; 0: constant after warmup
+    # DiLoCo: >0 trains for this many wall-clock seconds per outer step (as many inner steps as fit, at least one)
+    # instead of exactly `steps`, so fast peers never wait for slow ones; rounds weight contributions by their tokens
+    window_s: float = 0.0
 
 
 @dataclass
 class OuterSection:
     lr: float = 0.7
     momentum: float = 0.9
+    # a peer whose round went on without it (late, or behind): "carry" adds its pseudo-gradient to its next round,
+    # on top of the swarm's new state; "discard" drops it and restarts from the swarm's state
+    late_work: str = "carry"
 
 
 @dataclass
@@ -238,6 +244,17 @@ class RunConfig:
             raise ConfigError(
                 f'streaming.tau must be "auto" or an int in [1, inner.steps={self.inner.steps}), got {tau!r}'
             )
+        if not (0.0 <= self.inner.window_s < math.inf):
+            raise ConfigError(
+                f"inner.window_s must be >= 0 seconds (0: exactly inner.steps), got {self.inner.window_s}"
+            )
+        if self.inner.window_s > 0 and self.run.algorithm != "diloco":
+            raise ConfigError(
+                f"inner.window_s works with run.algorithm = 'diloco' only so far, not {self.run.algorithm!r}: "
+                f"set inner.window_s = 0"
+            )
+        if self.outer.late_work not in ("carry", "discard"):
+            raise ConfigError(f"outer.late_work must be 'carry' or 'discard', not {self.outer.late_work!r}")
         if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
             raise ConfigError("admission.mode must be open, secret, allowlist or invite")
         self._validate_security()
@@ -385,10 +402,12 @@ warmup_steps = 20
 weight_decay = 0.1
 grad_clip = 1.0
 total_steps = 0           # >0: cosine-decay the inner lr to 10% by this inner step (part of the spec); 0: constant
+window_s = 0.0            # diloco: >0 = train this many seconds per outer step (steps sized to speed, token-weighted)
 
 [outer]                   # DiLoCo / Streaming DiLoCo outer Nesterov SGD
 lr = 0.7
 momentum = 0.9
+late_work = "carry"       # a late peer's pseudo-gradient goes into its next round ("carry") or is dropped ("discard")
 
 [noloco]                  # used when run.algorithm = "noloco"
 alpha = 0.5

@@ -229,8 +229,14 @@ class Daemon:
         # Listening on 0.0.0.0 without --announce: the address stays unspecified until a Join tells us how others
         # reach us (the joiner's dialed address, or the bootstrap's view of our source address).
         self.me.address = self.announce or f"{'127.0.0.1' if host == 'localhost' else host}:{port}"
+        window = self.cfg.inner.window_s
         self.leader = RendezvousLeader(
-            self.membership, self.run_id, self.cfg.network.rendezvous_timeout, lambda: self.status.outer_step
+            self.membership,
+            self.run_id,
+            self.cfg.network.rendezvous_timeout,
+            lambda: self.status.outer_step,
+            # a quarter window (at least 1 s): covers a slow peer's last inner step, not a peer that stalls
+            straggler_grace_s=min(max(1.0, 0.25 * window), self.cfg.network.rendezvous_timeout) if window else 0.0,
         )
         self._start_metrics()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -347,18 +353,20 @@ class Daemon:
         """What we hold: (work, step, digest) of the state we published (read on the loop)."""
         return Claim(int(self.me.work), int(self.me.outer_step), bytes(self.me.state_digest), self.identity.peer_id)
 
-    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
+    def allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+    ) -> RoundResult:
         """Average `vector` (1-D fp32, any device) with the peers ready for `step`. Raises Behind when the swarm has
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
-        return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded))
+        return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded, tokens))
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
     ) -> concurrent.futures.Future:
         """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
         result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be modified until it is done."""
         assert self.loop is not None
-        coro = self.round_client.allreduce(step, vector, fragment, want_decoded)
+        coro = self.round_client.allreduce(step, vector, fragment, want_decoded, tokens)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def record_round(

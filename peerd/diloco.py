@@ -2,6 +2,12 @@
 
 pseudo-gradient = global params - local params. Every peer of the round receives the same averaged bytes and applies
 the same deterministic outer update to the same global copy, so global params are bit-identical after a round.
+
+Uneven peers (`inner.window_s`): instead of exactly H steps, each peer trains for a wall-clock window that starts when
+its last round ended, so a slow peer takes fewer steps and nobody waits for it. Each contribution carries the tokens
+behind it and the round averages pseudo-gradients weighted by them (peerd/roundclient.py). A peer whose round went on
+without it keeps its work (`outer.late_work = "carry"`): it adopts the swarm's new state, re-applies its own pending
+pseudo-gradient on top, and contributes it, with its tokens, in the next round.
 """
 
 from __future__ import annotations
@@ -26,32 +32,51 @@ class DiLoCo(OuterAlgorithm):
     def __init__(self, trainer: Trainer) -> None:
         cfg = trainer.cfg
         self.H = cfg.inner.steps
+        self.window_s = cfg.inner.window_s
+        self.carry = cfg.outer.late_work == "carry"
         self.outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.global_params = trainer.layout.flatten(trainer.model).detach().float().cpu().clone()
         # Error feedback: what quantization dropped from our contribution this round is added to the next one.
         self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
+        self.steps_pending = 0  # inner steps behind our pending pseudo-gradient (since our last applied round)
+        self.window_start = time.monotonic()
+        # What the uneven-peer rules did, for status and benchmarks: work carried into a later round, work dropped.
+        self.carried_steps = 0
+        self.discarded_steps = 0
+
+    def _due(self, t: int) -> bool:
+        if self.window_s > 0:
+            return time.monotonic() - self.window_start >= self.window_s
+        return (t + 1) % self.H == 0
 
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
-        if (t + 1) % self.H:
+        self.steps_pending += 1
+        if not self._due(t):
             return None
+        pending = self._pending(trainer)
         if trainer.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
+            self._keep_or_drop(trainer, pending)
             return None
         step = trainer.outer_step
-        local = trainer.layout.flatten(trainer.model).detach().float()
-        pseudo = self.global_params.to(local.device, non_blocking=True) - local
+        pseudo = pending
         if self.feedback is not None:
             pseudo = self.feedback.compensate("params", pseudo.cpu())
+        tokens = self.steps_pending * trainer.tokens_per_step
         t0 = time.perf_counter()
         try:
-            result = trainer.swarm.allreduce(step, pseudo, want_decoded=self.feedback is not None)
+            result = trainer.swarm.allreduce(step, pseudo, want_decoded=self.feedback is not None, tokens=tokens)
         except Behind as exc:
             trainer.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
-            return StepDone(trainer.outer_step) if trainer.resync(-1) else None
+            if not trainer.resync(-1):
+                return None
+            self._keep_or_drop(trainer, pending)
+            return StepDone(trainer.outer_step)
         except RoundFailed as exc:
-            # Keep our local progress and try again after the next H inner steps; never crash the peer.
+            # Keep our local progress and try again at the next outer step; never crash the peer.
             trainer.add_idle(time.perf_counter() - t0)
             log.warning("outer step %d failed (%s); training on and retrying at the next outer step", step, exc)
+            self.window_start = time.monotonic()
             return None
         trainer.add_idle(time.perf_counter() - t0)
         if self.feedback is not None and result.sent_decoded is not None:
@@ -59,7 +84,28 @@ class DiLoCo(OuterAlgorithm):
         self.outer.step(self.global_params, result.average)
         trainer.layout.unflatten_into(self.global_params, trainer.model)
         self.work += len(set(result.included))
+        self.steps_pending = 0
+        self.window_start = time.monotonic()
         return StepDone(step + 1, result)
+
+    def _pending(self, trainer: Trainer) -> torch.Tensor:
+        """Our pseudo-gradient so far: the global state we started from minus where inner steps took us."""
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        return self.global_params.to(local.device, non_blocking=True) - local
+
+    def _keep_or_drop(self, trainer: Trainer, pending: torch.Tensor) -> None:
+        """The swarm moved on without us and we adopted its state. "carry": put our pending pseudo-gradient back on
+        top of the new global (local = global - pending), so the next round includes it with its tokens; its
+        staleness is one or more outer steps. "discard": start over from the swarm's state."""
+        self.window_start = time.monotonic()
+        if self.carry and self.steps_pending:
+            local = self.global_params.to(pending.device) - pending
+            trainer.layout.unflatten_into(local, trainer.model)
+            self.carried_steps += self.steps_pending
+            log.info("carrying %d inner steps of work into the next round", self.steps_pending)
+            return
+        self.discarded_steps += self.steps_pending
+        self.steps_pending = 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         momentum = self.outer.buffers.get(None)

@@ -32,6 +32,8 @@ class _Pending:
     result: asyncio.Future | None = None
     extensions: int = 0
     refused: set[str] = field(default_factory=set)  # peers the leader itself blames for this step's failed attempts
+    tokens: dict[str, int] = field(default_factory=dict)  # each joiner's claimed tokens behind its contribution
+    grace_armed: bool = False  # windowed runs: the straggler grace started (a majority joined)
 
 
 class Behind(Exception):
@@ -61,8 +63,12 @@ class RendezvousLeader:
         run_id: bytes,
         timeout_s: float,
         my_step: Callable[[], int],
+        straggler_grace_s: float = 0.0,
     ) -> None:
         self.membership = membership
+        # Windowed runs (inner.window_s): once a majority joined, close within this many seconds rather than wait
+        # for the slowest peer; a straggler is told `behind` and carries its work into the next round.
+        self.straggler_grace_s = straggler_grace_s
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.my_step = my_step
@@ -80,9 +86,11 @@ class RendezvousLeader:
         failed_round: bytes = b"",
         behind_me: bool = False,
         lineage: bytes = b"",
+        tokens: int = 0,
     ) -> pb.RendezvousResponse:
         """Register `info` for the round and wait until its group closes. `behind_me`: the caller's state ranks
-        below ours and our step is ahead of its step, so its round is already done (peerd/consistency.py)."""
+        below ours and our step is ahead of its step, so its round is already done (peerd/consistency.py).
+        `tokens`: the work behind the caller's contribution, its weight in the average."""
         self.newest_step = max(self.newest_step, step)
         if info.peer_id == self.membership.self_id and fragment < 0:
             # We moved on to `step` (a round, or a downloaded state): groups still open for earlier steps wait for a
@@ -112,8 +120,12 @@ class RendezvousLeader:
         if info.peer_id not in pend.refused:
             pend.expected.add(info.peer_id)
             pend.joined[info.peer_id] = info
+            pend.tokens[info.peer_id] = max(int(tokens), 0)
         if pend.expected <= set(pend.joined):
             self._close(key)
+        elif self.straggler_grace_s > 0 and not pend.grace_armed and 2 * len(pend.joined) > len(pend.expected):
+            pend.grace_armed = True
+            asyncio.get_running_loop().call_later(self.straggler_grace_s, self._close_if_open, key, pend)
         assert pend.result is not None
         group = await asyncio.shield(pend.result)
         if not any(m.peer_id == info.peer_id for m in group.members):
@@ -188,6 +200,10 @@ class RendezvousLeader:
             return
         self._close(key)
 
+    def _close_if_open(self, key: Key, pend: _Pending) -> None:
+        if self.pending.get(key) is pend:
+            self._close(key)
+
     def _close(self, key: Key) -> None:
         pend = self.pending.pop(key, None)
         if pend is None or pend.result is None or pend.result.done():
@@ -201,6 +217,7 @@ class RendezvousLeader:
             members=members,
             expected=sorted(pend.expected),
             leader=self.membership.self_id,
+            tokens=capped_tokens([pend.tokens.get(p.peer_id, 0) for p in members]),
         )
         group.round_id = round_id(self.run_id, group)
         self.closed[key] = group
@@ -217,4 +234,32 @@ def round_id(run_id: bytes, group: pb.Group) -> bytes:
     h.update(f"{group.step}/{group.fragment}/{group.attempt}/{group.leader}".encode())
     for m in group.members:
         h.update(m.peer_id.encode())
+    if group.tokens:
+        h.update(b"tokens:" + ",".join(str(t) for t in group.tokens).encode())
     return h.digest()
+
+
+MAX_WEIGHT_RATIO = 4  # a member's claimed tokens count for at most this many times the group's median claim
+
+
+def capped_tokens(claims: list[int]) -> list[int]:
+    """The leader's weights for a group: claims are the members' word, so none may count for more than
+    MAX_WEIGHT_RATIO x the lower median (a liar cannot outweigh the honest majority by more than that, and norm
+    screening still judges what it sends). Any member without a claim (0) makes the round unweighted: []."""
+    if not claims or min(claims) <= 0:
+        return []
+    ordered = sorted(claims)
+    cap = MAX_WEIGHT_RATIO * ordered[(len(ordered) - 1) // 2]
+    return [min(c, cap) for c in claims]
+
+
+def member_weight(group: pb.Group, peer_id: str) -> float:
+    """The factor a member scales its own contribution by, so that the owners' plain mean over n members is the
+    token-weighted mean: w_i = tokens_i / mean(tokens). 1.0 when the group is unweighted or all claims are equal."""
+    tokens = list(group.tokens)
+    if len(tokens) != len(group.members) or len(set(tokens)) <= 1:
+        return 1.0
+    index = next((i for i, m in enumerate(group.members) if m.peer_id == peer_id), None)
+    if index is None:
+        return 1.0
+    return tokens[index] * len(tokens) / sum(tokens)

@@ -25,7 +25,7 @@ from peerd.channels import UNREACHABLE
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
 from peerd.reachability import dialable
-from peerd.rendezvous import Behind
+from peerd.rendezvous import Behind, member_weight
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -68,7 +68,14 @@ class RoundClient:
         behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
         lineage = bytes(request.state_digest) if self.d.ranked else b""
         return await self.d.leader.join(
-            request.step, request.fragment, info, list(request.suspects), bytes(request.failed_round), behind, lineage
+            request.step,
+            request.fragment,
+            info,
+            list(request.suspects),
+            bytes(request.failed_round),
+            behind,
+            lineage,
+            int(request.tokens),
         )
 
     def _plausible_step(self) -> int:
@@ -76,7 +83,14 @@ class RoundClient:
         return steps[(len(steps) - 1) // 2] if steps else self.d.status.outer_step  # the lower median
 
     async def _rendezvous(
-        self, step: int, fragment: int, attempt: int, suspects: set[str], failed_round: bytes, avoid: set[str]
+        self,
+        step: int,
+        fragment: int,
+        attempt: int,
+        suspects: set[str],
+        failed_round: bytes,
+        avoid: set[str],
+        tokens: int = 0,
     ) -> pb.RendezvousResponse:
         """Find the round's leader and join its group. `suspects` go to the leader (it stops waiting for them);
         `avoid` (peers we have our own evidence against) are also skipped as leaders."""
@@ -109,7 +123,7 @@ class RoundClient:
             if target.peer_id == self.d.identity.peer_id:
                 lineage = bytes(self.d.me.state_digest) if self.d.ranked else b""
                 return await self.d.leader.join(
-                    step, fragment, self.d.me, sorted(suspects), failed_round, False, lineage
+                    step, fragment, self.d.me, sorted(suspects), failed_round, False, lineage, tokens
                 )
             mine = self.d.my_claim()
             req = sign(
@@ -121,6 +135,7 @@ class RoundClient:
                     failed_round=failed_round,
                     work=mine.work,
                     state_digest=mine.digest,
+                    tokens=tokens,
                 ),
                 "Rendezvous",
                 self.d.identity,
@@ -216,24 +231,28 @@ class RoundClient:
         return self.d.channels.rounds(member.address, member)
 
     async def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False
+        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False, tokens: int = 0
     ) -> RoundResult:
+        """Average `vector` over the round's group, weighted by `tokens` (the work behind it) when every member
+        claimed some: each member scales its own contribution by tokens_i / mean(tokens), so the owners' plain mean
+        is the token-weighted mean and nothing on the wire changes."""
         suspects: set[str] = set()  # everyone blamed for a failed attempt: the leader stops waiting for them
         avoid: set[str] = set()  # of those, the ones we blame on our own evidence: not even asked to lead
         failed_round = b""
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round, avoid)
+            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round, avoid, tokens)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
             rendezvous_s = time.perf_counter() - t_rv
+            weight = member_weight(group, self.d.identity.peer_id)
             rnd = ReduceRound(
                 group,
                 self.d.identity,
                 self.d.run_id,
-                vector,
+                vector if weight == 1.0 else vector * weight,
                 self.d.codec,
                 self.d.executor,
                 self.d.cfg.network.round_timeout,
@@ -269,6 +288,8 @@ class RoundClient:
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
             result.stats.seconds = time.perf_counter() - t0
+            if weight != 1.0 and result.sent_decoded is not None:
+                result.sent_decoded.div_(weight)  # error feedback works in the unscaled units of `vector`
             # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
             # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
             assert self.d.loop is not None
@@ -305,6 +326,7 @@ class RoundClient:
             seconds=s.seconds,
             note=note,
             fragment=fragment,
+            tokens=included_tokens(group, result.included),
         )
         self.d.status.last_round = summary
         self.d.status.recent_rounds.append(summary)
@@ -345,3 +367,11 @@ class RoundClient:
             (log.warning if included <= 1 else log.info)(line)
         if self.d.metrics is not None:
             self.d.metrics.alone.set(1 if self.d.alone.alone_since is not None else 0)
+
+
+def included_tokens(group: pb.Group, included: list[str]) -> list[int]:
+    """Each included peer's weight in the round (its capped token claim), in `included` order; [] if unweighted."""
+    if len(group.tokens) != len(group.members):
+        return []
+    by_peer = {m.peer_id: t for m, t in zip(group.members, group.tokens, strict=True)}
+    return [by_peer.get(pid, 0) for pid in included]

@@ -55,12 +55,15 @@ class PairPort(Protocol):
 class Swarm(Protocol):
     """What an outer algorithm may ask of the swarm."""
 
-    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
-        """Average `vector` with the peers ready for `step` (and `fragment`). Raises rendezvous.Behind when the swarm
-        is past `step`, allreduce.RoundFailed when the round could not complete."""
+    def allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+    ) -> RoundResult:
+        """Average `vector` with the peers ready for `step` (and `fragment`), weighted by the `tokens` behind each
+        contribution when every member gives some (0: unweighted). Raises rendezvous.Behind when the swarm is past
+        `step`, allreduce.RoundFailed when the round could not complete."""
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
     ) -> concurrent.futures.Future:
         """`allreduce` without waiting; `vector` must not change until the future is done."""
 
@@ -180,13 +183,15 @@ class DaemonSwarm:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
-        return self.daemon.allreduce(step, vector, fragment, want_decoded)
+    def allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+    ) -> RoundResult:
+        return self.daemon.allreduce(step, vector, fragment, want_decoded, tokens)
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
     ) -> concurrent.futures.Future:
-        return self.daemon.allreduce_async(step, vector, fragment, want_decoded)
+        return self.daemon.allreduce_async(step, vector, fragment, want_decoded, tokens)
 
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
         loop = self.daemon.loop

@@ -116,6 +116,7 @@ class Worker:
         self.model = build_run_model(cfg).to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
+        self.tokens_per_step = cfg.data.batch_size * self.seq_len
         self.train_data, self.eval_data = build_run_data(cfg, self.seq_len)
         # Any number of peers may train: `slot` (--shard, or derived from the peer id) picks data shard
         # slot % data.num_shards, and seeds the batch generator, so peers that share a data shard still draw different
@@ -404,9 +405,14 @@ class Worker:
                     "seconds": r.seconds,
                     "wire_bytes": r.wire_bytes,
                     "note": r.note,
+                    "tokens": list(r.tokens),
                 }
                 for r in st.recent_rounds
             ],
+            # DiLoCo's uneven-peer accounting: inner steps whose work went into a later round, or was dropped
+            "carried_steps": getattr(self.algorithm, "carried_steps", 0),
+            "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),
+            "tokens_per_step": self.tokens_per_step,
             "finished": st.finished,
             "reachability": self.daemon.reach.line(),
             "relayed_bytes": self.daemon.relay_server.relayed_bytes,

@@ -41,16 +41,20 @@ class FakeSwarm:
     partners: Callable[[int, Mapping[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]] | None = None
     codec: Any = None  # a peerd codec our contribution goes through (None: lossless)
     calls: list[tuple[int, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the work each contribution claimed, round by round
     vectors: list[torch.Tensor] = field(default_factory=list)  # what we contributed, round by round
     recorded: list[pb.Group] = field(default_factory=list)
     noted: list[tuple[int, list[str]]] = field(default_factory=list)
     solo_steps: int = 0
     failures: list[str] = field(default_factory=list)
 
-    def allreduce(self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False) -> RoundResult:
+    def allreduce(
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+    ) -> RoundResult:
         from peerd.rendezvous import Behind
 
         self.calls.append((step, fragment))
+        self.tokens.append(tokens)
         self.vectors.append(vector.detach().clone())
         if (step, fragment) in self.fail:
             self.fail.discard((step, fragment))
@@ -68,11 +72,11 @@ class FakeSwarm:
         return RoundResult(average, group_of(step, ids, fragment), ids, RoundStats(), decoded)
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False
+        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
     ) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            fut.set_result(self.allreduce(step, vector, fragment, want_decoded))
+            fut.set_result(self.allreduce(step, vector, fragment, want_decoded, tokens))
         except Exception as exc:  # the future carries it, as the real one does
             fut.set_exception(exc)
         return fut
@@ -168,6 +172,7 @@ class FakeTrainer:
         self.adopted: list[tuple[int, str]] = []
         self.states: list[str] = []
         self.algorithm: Any = None
+        self.tokens_per_step = 100
 
     def inner_step(self, delta: float = 0.01) -> Any:
         """One "inner step" (every parameter += delta), then the algorithm's hook; applies what it returns."""

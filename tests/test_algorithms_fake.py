@@ -76,7 +76,23 @@ def test_diloco_failed_round_changes_nothing_and_retries_with_more_progress(tmp_
     assert torch.allclose(trainer.algorithm.global_params, nesterov_once(g0, torch.full_like(g0, -0.06)), atol=1e-6)
 
 
-def test_diloco_behind_the_swarm_downloads_its_state(tmp_path: Path) -> None:
+def test_diloco_behind_the_swarm_discards_its_work_when_asked(tmp_path: Path) -> None:
+    swarm = FakeSwarm(behind={(0, -1): 5})
+    trainer = setup(tmp_path, "diloco", swarm, outer={"late_work": "discard"})
+    served = {
+        "params": torch.linspace(-1, 1, trainer.layout.numel),
+        "outer_momentum": torch.zeros(trainer.layout.numel),
+    }
+    swarm.state = StateSnapshot(5, served, work=20)
+    done = [trainer.inner_step() for _ in range(3)][-1]
+    assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
+    assert torch.equal(flat(trainer), served["params"]) and trainer.algorithm.work == 20
+    assert trainer.algorithm.discarded_steps == 3 and trainer.algorithm.carried_steps == 0
+
+
+def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -> None:
+    """The straggler adopts the swarm's state, keeps its pseudo-gradient on top of it, and contributes it in the
+    next round with the tokens of every inner step behind it."""
     swarm = FakeSwarm(behind={(0, -1): 5})
     trainer = setup(tmp_path, "diloco", swarm)
     served = {
@@ -86,15 +102,12 @@ def test_diloco_behind_the_swarm_downloads_its_state(tmp_path: Path) -> None:
     swarm.state = StateSnapshot(5, served, work=20)
     done = [trainer.inner_step() for _ in range(3)][-1]
     assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
-    assert torch.equal(flat(trainer), served["params"]) and trainer.algorithm.work == 20
-
-
-def test_diloco_heals_before_a_round_when_a_better_state_is_live(tmp_path: Path) -> None:
-    swarm = FakeSwarm(best=Claim(work=9, step=2, digest=b"d", peer_id="p1"))
-    trainer = setup(tmp_path, "diloco", swarm)
-    swarm.state = StateSnapshot(2, trainer.algorithm.state_tensors(), work=9)
-    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # it healed instead of averaging
-    assert swarm.calls == [] and trainer.adopted == [(2, "behind")] and trainer.outer_step == 2
+    assert torch.allclose(flat(trainer), served["params"] + 0.03)  # its 3 steps of +0.01, kept
+    assert trainer.algorithm.carried_steps == 3 and trainer.algorithm.discarded_steps == 0
+    [trainer.inner_step() for _ in range(3)]
+    assert swarm.calls[-1] == (5, -1)
+    assert torch.allclose(swarm.vectors[-1], torch.full((trainer.layout.numel,), -0.06))  # 6 steps of work
+    assert swarm.tokens == [300, 600]  # every step's tokens go with it
 
 
 # -- NoLoCo ---------------------------------------------------------------------------------------------------------

@@ -188,7 +188,7 @@ class StatusRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment")
+    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment", "tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class RoundSummary(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     algorithm: str
     included: _containers.RepeatedScalarFieldContainer[str]
@@ -209,7 +210,8 @@ class RoundSummary(_message.Message):
     seconds: float
     note: str
     fragment: int
-    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
@@ -300,7 +302,7 @@ class OuterStepRecord(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest")
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +311,7 @@ class RendezvousRequest(_message.Message):
     FAILED_ROUND_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     step: int
     attempt: int
@@ -317,10 +320,11 @@ class RendezvousRequest(_message.Message):
     failed_round: bytes
     work: int
     state_digest: bytes
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
+    tokens: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader")
+    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +332,7 @@ class Group(_message.Message):
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     round_id: bytes
     step: int
     attempt: int
@@ -335,7 +340,8 @@ class Group(_message.Message):
     expected: _containers.RepeatedScalarFieldContainer[str]
     fragment: int
     leader: str
-    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group", "behind", "redirect")
