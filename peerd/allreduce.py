@@ -135,7 +135,13 @@ class ReduceRound:
         self.n = len(self.ids)
         # Shard owners: the members others can dial. Every member opens a stream to every other owner, so an
         # outbound-only member sends and receives everything on connections it opened itself.
-        self.owners = [i for i, m in enumerate(group.members) if not m.outbound_only]  # none: run() refuses
+        # outbound-only members cannot be dialled, flagged ones (group.no_shards) would slow every shard they own
+        no_shards = set(group.no_shards)
+        self.created = time.perf_counter()
+        self.arrival_s: dict[str, float] = {}  # member -> seconds after this round began that its contribution arrived
+        self.owners = [
+            i for i, m in enumerate(group.members) if not m.outbound_only and m.peer_id not in no_shards
+        ]  # none: run() refuses
         self.me = self.owners.index(self.member) if self.member in self.owners else -1  # our shard, -1: none
         self.n_shards = len(self.owners)
         self.bounds = shard_bounds(vector.numel(), self.n_shards) if self.owners else []
@@ -179,6 +185,7 @@ class ReduceRound:
             raise StreamError("duplicate", f"{sender[:8]} already contributed to this round")
         numel = self.shard_numel(self.me)
         loop = asyncio.get_running_loop()
+        self.arrival_s[sender] = time.perf_counter() - self.created  # C4-style timing: how late it came
         decoded = await loop.run_in_executor(self.executor, self.codec.decode, payload, numel)
         self.stats.received_wire_bytes += len(payload)
         await self._accept(index, decoded)

@@ -52,6 +52,7 @@ from peerd.service import MembershipService, RoundsService, StateService
 from peerd.shutdown import DRAIN_S
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
+from peerd.timings import SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
@@ -128,6 +129,7 @@ class Daemon:
             security=sec,
             metrics=lambda: self.metrics,
         )
+        self.timing = SwarmTimings(self.me)  # slow/faulty peers from their timings (peerd/timings.py)
         self.snapshot: StateSnapshot | None = None
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peerd-codec")
         self._metrics_server: Any = None
@@ -237,6 +239,7 @@ class Daemon:
             lambda: self.status.outer_step,
             # a quarter window (at least 1 s): covers a slow peer's last inner step, not a peer that stalls
             straggler_grace_s=min(max(1.0, 0.25 * window), self.cfg.network.rendezvous_timeout) if window else 0.0,
+            flagged=self.timing.is_flagged,
         )
         self._start_metrics()
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ class DiLoCo(OuterAlgorithm):
         # What the uneven-peer rules did, for status and benchmarks: work carried into a later round, work dropped.
         self.carried_steps = 0
         self.discarded_steps = 0
+        self.carried_in_a_row = 0  # adoptions since our last applied round that kept our pending work
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -85,6 +86,7 @@ class DiLoCo(OuterAlgorithm):
         trainer.layout.unflatten_into(self.global_params, trainer.model)
         self.work += len(set(result.included))
         self.steps_pending = 0
+        self.carried_in_a_row = 0
         self.window_start = time.monotonic()
         return StepDone(step + 1, result)
 
@@ -96,16 +98,24 @@ class DiLoCo(OuterAlgorithm):
     def _keep_or_drop(self, trainer: Trainer, pending: torch.Tensor) -> None:
         """The swarm moved on without us and we adopted its state. "carry": put our pending pseudo-gradient back on
         top of the new global (local = global - pending), so the next round includes it with its tokens; its
-        staleness is one or more outer steps. "discard": start over from the swarm's state."""
+        staleness is one outer step. "discard": start over from the swarm's state.
+
+        Work is carried over one missed round at most: a peer that keeps missing rounds (a joiner behind a fast
+        swarm, a peer far slower than the window) would otherwise pile up a pseudo-gradient many rounds stale and
+        many times the norm of anyone else's, which the owners' norm screen rightly refuses (and bans)."""
         self.window_start = time.monotonic()
-        if self.carry and self.steps_pending:
+        if self.carry and self.steps_pending and self.carried_in_a_row < 1:
+            self.carried_in_a_row += 1
             local = self.global_params.to(pending.device) - pending
             trainer.layout.unflatten_into(local, trainer.model)
             self.carried_steps += self.steps_pending
             log.info("carrying %d inner steps of work into the next round", self.steps_pending)
             return
+        if self.steps_pending:
+            log.info("dropping %d inner steps of work: the swarm moved on without it", self.steps_pending)
         self.discarded_steps += self.steps_pending
         self.steps_pending = 0
+        self.carried_in_a_row = 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         momentum = self.outer.buffers.get(None)

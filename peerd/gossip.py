@@ -147,6 +147,7 @@ class Gossip:
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.d.membership.bump()
             self.d.checks.refresh_suspects()
+            self.refresh_timing()
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
             targets = random.sample(others, min(3, len(others)))
@@ -158,6 +159,16 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def refresh_timing(self) -> None:
+        """Publish our slow/faulty verdicts and recompute the swarm's (peerd/timings.py); say what changed."""
+        for line in self.d.timing.refresh(self.d.membership.alive(include_self=False), self.d.status.outer_step):
+            if line.startswith("this peer"):
+                why = self.d.round_client.self_evidence
+                line += f"; {why}" if why else "; the other peers see its contributions arrive late"
+            log.warning(line)
+        if self.d.metrics is not None:
+            self.d.metrics.record_flags(self.d.timing)
 
     async def redial_loop(self, stopping: asyncio.Event) -> None:
         """Dead peers and bootstrap addresses, re-dialled with backoff for the life of the run (peerd/redial.py)."""
@@ -186,6 +197,7 @@ class Gossip:
     async def _gossip_one(self, peer: pb.PeerInfo, mark: bool = True) -> bool:
         assert self.d.channels is not None
         req = sign(pb.GossipRequest(peers=self.d.membership.gossip_view()), "Gossip", self.d.identity, self.d.run_id)
+        t0 = time.monotonic()
         try:
             resp = await self.d.channels.membership(peer.address, peer).Gossip(
                 req, timeout=max(2.0, self.d.cfg.network.gossip_interval)
@@ -196,6 +208,7 @@ class Gossip:
             self.d.count_sent("gossip", 0, req.ByteSize())
             return False
         self.d.count_sent("gossip", 0, req.ByteSize())
+        self.d.timing.local.rtt(peer.peer_id, time.monotonic() - t0)
         self.merge_gossip(resp.peers)
         self.d.reach.observe(peer, resp.observed_address)
         return True

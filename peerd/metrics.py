@@ -16,6 +16,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import IPv6Address, ip_address
 from socket import AF_INET6
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import (
@@ -207,6 +208,22 @@ class PeerMetrics:
             registry=registry,
         )
         self.reachable.set(1)
+        self.flagged_peers = Gauge(
+            "peerd_flagged_peers",
+            "Peers a majority of the swarm flags from their timings (slow: late, slow streams or little work; faulty: "
+            "blamed for failed rounds); they neither lead rounds nor own shards until they recover.",
+            ["kind"],
+            registry=registry,
+        )
+        self.self_flagged = Gauge(
+            "peerd_self_flagged",
+            "1 while a majority of the swarm flags this peer (by kind): see its log for why.",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("slow", "faulty"):
+            self.flagged_peers.labels(kind=kind).set(0)
+            self.self_flagged.labels(kind=kind).set(0)
         self.relayed_bytes = Counter(
             "peerd_relayed_bytes",
             "Bytes this peer relayed between other peers (outbound-only peers).",
@@ -272,6 +289,12 @@ class PeerMetrics:
             self.round_duration.labels(algorithm=self.algorithm, phase=phase).observe(seconds)
         self.rounds.labels(algorithm=self.algorithm, outcome=outcome).inc()
         self.round_peers.set(peers)
+
+    def record_flags(self, timing: Any) -> None:
+        """The swarm's timing verdicts (peerd/timings.SwarmTimings): how many peers are flagged, and whether we are."""
+        for kind, peers in timing.flagged.items():
+            self.flagged_peers.labels(kind=kind).set(len(peers))
+            self.self_flagged.labels(kind=kind).set(1 if timing.me.peer_id in peers else 0)
 
     def record_failure(self, reason: str) -> None:
         """Count a failure; reasons outside FAILURE_REASONS count as ``other`` to keep labels bounded."""

@@ -34,6 +34,7 @@ class _Pending:
     refused: set[str] = field(default_factory=set)  # peers the leader itself blames for this step's failed attempts
     tokens: dict[str, int] = field(default_factory=dict)  # each joiner's claimed tokens behind its contribution
     grace_armed: bool = False  # windowed runs: the straggler grace started (a majority joined)
+    joined_at: dict[str, float] = field(default_factory=dict)  # monotonic time of each member's (first) join
 
 
 class Behind(Exception):
@@ -64,11 +65,13 @@ class RendezvousLeader:
         timeout_s: float,
         my_step: Callable[[], int],
         straggler_grace_s: float = 0.0,
+        flagged: Callable[[str], bool] = lambda peer_id: False,
     ) -> None:
         self.membership = membership
         # Windowed runs (inner.window_s): once a majority joined, close within this many seconds rather than wait
         # for the slowest peer; a straggler is told `behind` and carries its work into the next round.
         self.straggler_grace_s = straggler_grace_s
+        self.flagged = flagged  # flagged slow/faulty by the swarm (peerd/timings.py): no shards for them
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.my_step = my_step
@@ -121,6 +124,7 @@ class RendezvousLeader:
             pend.expected.add(info.peer_id)
             pend.joined[info.peer_id] = info
             pend.tokens[info.peer_id] = max(int(tokens), 0)
+            pend.joined_at.setdefault(info.peer_id, time.monotonic())
         if pend.expected <= set(pend.joined):
             self._close(key)
         elif self.straggler_grace_s > 0 and not pend.grace_armed and 2 * len(pend.joined) > len(pend.expected):
@@ -219,6 +223,11 @@ class RendezvousLeader:
             leader=self.membership.self_id,
             tokens=capped_tokens([pend.tokens.get(p.peer_id, 0) for p in members]),
         )
+        flagged = [p.peer_id for p in members if self.flagged(p.peer_id)]
+        if len(flagged) < sum(not p.outbound_only for p in members):  # someone must still own shards
+            group.no_shards.extend(flagged)
+        first = min(pend.joined_at.values(), default=0.0)
+        group.join_lag_ms.extend(int(1000 * (pend.joined_at.get(p.peer_id, first) - first)) for p in members)
         group.round_id = round_id(self.run_id, group)
         self.closed[key] = group
         if len(self.closed) > 256:  # keep a bounded history
@@ -236,6 +245,8 @@ def round_id(run_id: bytes, group: pb.Group) -> bytes:
         h.update(m.peer_id.encode())
     if group.tokens:
         h.update(b"tokens:" + ",".join(str(t) for t in group.tokens).encode())
+    if group.no_shards:
+        h.update(b"no_shards:" + ",".join(group.no_shards).encode())
     return h.digest()
 
 

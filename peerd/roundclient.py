@@ -49,6 +49,11 @@ class RoundClient:
         self.d = daemon
         self.rounds: dict[bytes, Any] = {}  # round id -> its ReduceRound, while in flight
         self._round_events: dict[bytes, asyncio.Event] = {}  # streams that arrived before their round: wake them
+        self.self_evidence = ""  # why this peer itself looks slow in its last round (for the one-line diagnosis)
+        # Peers that may not lead: the flagged members of our last completed round (its group's no_shards). Every
+        # member of that round got the same group, so all of them agree on the next step's leader; switching on
+        # each peer's live view of the flags instead split a step between the old leader and the new one.
+        self.no_lead: set[str] = set()
 
     async def lead_rendezvous(self, request: pb.RendezvousRequest, info: pb.PeerInfo) -> pb.RendezvousResponse:
         assert self.d.leader is not None
@@ -61,8 +66,11 @@ class RoundClient:
         # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
         # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
         excluded = set(request.suspects) - {self.d.identity.peer_id}
-        leader = next(p for p in self.d.membership.alive() if p.peer_id not in excluded and dialable(p))
-        if leader.peer_id < self.d.identity.peer_id:
+        # A peer the swarm flags slow or faulty (peerd/timings.py) hands the lead on even to a higher id; the
+        # requester then skips it (a redirect upwards marks it tried), so redirects still cannot loop.
+        me = self.d.identity.peer_id
+        leader = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in excluded])
+        if leader is not None and leader.peer_id != me and (leader.peer_id < me or me in self.no_lead):
             return pb.RendezvousResponse(redirect=leader)
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
         behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
@@ -77,6 +85,13 @@ class RoundClient:
             lineage,
             int(request.tokens),
         )
+
+    def _first_leader(self, peers: list[pb.PeerInfo]) -> pb.PeerInfo | None:
+        """The lowest-id peer of `peers` (in id order) that may lead: dialable, and not flagged slow or faulty in our
+        last round (peerd/timings.py) unless every dialable one is."""
+        able = [p for p in peers if dialable(p)]
+        unflagged = [p for p in able if p.peer_id not in self.no_lead]
+        return (unflagged or able or [None])[0]
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.d.membership.alive())
@@ -105,7 +120,8 @@ class RoundClient:
         for _ in range(16):
             if target is None:
                 # outbound-only peers never lead: nobody could dial them
-                candidates = [p for p in self.d.membership.settled() if p.peer_id not in tried and dialable(p)]
+                first = self._first_leader([p for p in self.d.membership.settled() if p.peer_id not in tried])
+                candidates = [first] if first is not None else []
                 if not candidates and self.d.me.outbound_only:
                     if await self.d.reach.wait_for_dialable(self.d.cfg.network.rendezvous_timeout):
                         continue
@@ -114,12 +130,8 @@ class RoundClient:
                 if target.peer_id == self.d.identity.peer_id:
                     # The rule a leader applies to others applies to us: lead only while no lower live peer exists,
                     # settled or not, or we would wait in a group everyone else is redirected away from.
-                    lower = [
-                        p
-                        for p in self.d.membership.alive()
-                        if p.peer_id < target.peer_id and p.peer_id not in tried and dialable(p)
-                    ]
-                    target = lower[0] if lower else target
+                    lower = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in tried])
+                    target = lower if lower is not None and lower.peer_id < target.peer_id else target
             if target.peer_id == self.d.identity.peer_id:
                 lineage = bytes(self.d.me.state_digest) if self.d.ranked else b""
                 return await self.d.leader.join(
@@ -282,6 +294,7 @@ class RoundClient:
                 # swarm split for the step. So they are only told to the leader, which keeps out whom it blames itself.
                 if exc.reason != "aborted":
                     avoid |= exc.suspects - {self.d.identity.peer_id}
+                    self.d.timing.local.failed(exc.suspects)
                     for s in exc.suspects:
                         self.d.membership.mark_unreachable(s)
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
@@ -297,8 +310,33 @@ class RoundClient:
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, [m.peer_id for m in group.members])
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
+            self.observe_timings(group, rnd.arrival_s)
+            self.no_lead = set(group.no_shards)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
+
+    def observe_timings(self, group: pb.Group, arrival_s: dict[str, float]) -> None:
+        """Feed one completed round's per-member timings to peerd/timings.py: how late each member joined (the
+        leader's lag) plus, for shards we own, how late its contribution arrived; and the tokens behind it."""
+        ids = [m.peer_id for m in group.members]
+        lags = list(group.join_lag_ms) if len(group.join_lag_ms) == len(ids) else [0] * len(ids)
+        lag_s = {pid: ms / 1000.0 + arrival_s.get(pid, 0.0) for pid, ms in zip(ids, lags, strict=True)}
+        tokens = dict(zip(ids, group.tokens, strict=True)) if len(group.tokens) == len(ids) else None
+        timing = self.d.timing.local
+        timing.round(lag_s=lag_s, tokens=tokens)
+        timing.succeeded(ids)
+        me = self.d.identity.peer_id
+        if tokens and len(tokens) >= 3:
+            others = sorted(t for pid, t in tokens.items() if pid != me)
+            self.self_evidence = (
+                f"your compute is the bottleneck: {tokens[me]} tokens per window vs {others[len(others) // 2]} (median)"
+                if tokens[me] * timing.ratio < others[len(others) // 2]
+                else ""
+            )
+        if not self.self_evidence and len(ids) >= 3:
+            mine, rest = lag_s[me], sorted(v for pid, v in lag_s.items() if pid != me)
+            if mine > 0.5 and mine > timing.ratio * rest[len(rest) // 2]:
+                self.self_evidence = f"your contribution comes last: {mine:.1f} s after the others' median"
 
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
@@ -327,6 +365,8 @@ class RoundClient:
             note=note,
             fragment=fragment,
             tokens=included_tokens(group, result.included),
+            leader=group.leader,
+            no_shards=list(group.no_shards),
         )
         self.d.status.last_round = summary
         self.d.status.recent_rounds.append(summary)

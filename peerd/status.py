@@ -13,6 +13,7 @@ from google.protobuf.json_format import MessageToDict
 
 from peerd import tls
 from peerd.channels import CHANNEL_OPTIONS
+from peerd.robust import majority_suspects
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -121,9 +122,11 @@ def format_status(st: pb.StatusResponse) -> str:
     if busy > 0:
         lines.append(f"idle       {st.compute_idle_seconds:.1f}s of {busy:.1f}s ({st.compute_idle_seconds / busy:.1%})")
     lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known; the run expects {len(st.expected)}")
+    flags = swarm_flags([p for p in st.peers if p.peer_id in alive])
     for p in sorted(st.peers, key=lambda p: p.peer_id):
         mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
         mark += ", outbound-only" if p.outbound_only else ""
+        mark += f", FLAGGED {flags[p.peer_id]} (no leading, no shards)" if p.peer_id in flags else ""
         lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")
     if st.HasField("last_round"):
         r = st.last_round
@@ -192,3 +195,13 @@ def print_status(
         return 1
     print(json.dumps(status_dict(st), sort_keys=True) if as_json else format_status(st))
     return 0
+
+
+def swarm_flags(alive: list[pb.PeerInfo]) -> dict[str, str]:
+    """Peers a strict majority of the other live peers flag from their timings (the daemon's own rule,
+    peerd/timings.py), as peer id -> "slow" or "faulty"."""
+    out: dict[str, str] = {}
+    for kind in ("slow", "faulty"):
+        for pid in majority_suspects({p.peer_id: list(getattr(p, kind)) for p in alive}):
+            out[pid] = kind
+    return out

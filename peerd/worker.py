@@ -406,6 +406,8 @@ class Worker:
                     "wire_bytes": r.wire_bytes,
                     "note": r.note,
                     "tokens": list(r.tokens),
+                    "leader": r.leader,
+                    "no_shards": list(r.no_shards),
                 }
                 for r in st.recent_rounds
             ],
@@ -413,6 +415,9 @@ class Worker:
             "carried_steps": getattr(self.algorithm, "carried_steps", 0),
             "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),
             "tokens_per_step": self.tokens_per_step,
+            # the swarm's timing verdicts (peerd/timings.py) as this peer last saw them, and when each began
+            "flags": {kind: sorted(peers) for kind, peers in self.daemon.timing.flagged.items()},
+            "flagged_at_step": dict(self.daemon.timing.flagged_at),
             "finished": st.finished,
             "reachability": self.daemon.reach.line(),
             "relayed_bytes": self.daemon.relay_server.relayed_bytes,

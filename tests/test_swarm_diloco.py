@@ -53,6 +53,7 @@ def test_three_peers_join_train_and_agree(tmp_path: Path) -> None:
         s = p.summary()
         assert s["outer_step"] == 4 and s["finished"]
         assert s["rounds_partial"] == 0
+        assert s["flags"] == {"slow": [], "faulty": []} and s["flagged_at_step"] == {}  # no false flags
         hist = s["history"]
         assert hist[-1]["loss"] < hist[0]["loss"], hist
         assert hist[-1]["eval_loss"] < hist[0]["eval_loss"], hist

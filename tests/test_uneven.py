@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm import Swarm, tiny_config
+from tests.swarm import Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = pytest.mark.slow
@@ -43,3 +43,34 @@ def test_windowed_rounds_weigh_a_slow_peer_by_its_tokens(tmp_path: Path) -> None
         fast = [t for pid, t in tokens.items() if pid != slow_id]
         # the slow peer's work counts less, in proportion, and is never dropped
         assert 0 < tokens[slow_id] < 0.7 * min(fast), r
+
+
+def test_a_slow_peer_is_flagged_from_its_timings_and_stops_leading_and_owning(tmp_path: Path) -> None:
+    """C4-style detection with fixed H: the 3x+ slower peer joins every rendezvous late; the others flag it within
+    3 outer steps, it is told why in one line, and from then on it neither leads nor owns a shard (it still
+    contributes: every round includes it)."""
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    ids_in_order(tmp_path, 4)  # the slow peer0 has the lowest id: it leads until it is flagged
+    swarm = Swarm(tmp_path, 4, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=4, env={"PEERD_FAULT_STEP_DELAY_S": "0.15"}))
+        boot = swarm.boot_address(0)
+        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2, 3)]
+        for p in swarm.peers:
+            p.wait_file("address")
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[0]["peer_id"]
+    for s in summaries[1:]:
+        assert s["flags"]["slow"] == [slow_id], s["flags"]
+        assert s["flagged_at_step"][slow_id] <= 3, s["flagged_at_step"]
+        assert s["rounds"][0]["leader"] == slow_id  # before the verdict, the lowest id led
+        late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
+        assert late, s["rounds"]
+        for r in late:
+            assert slow_id in r["included"] and len(r["included"]) == 4, r  # it still contributes
+            assert r["leader"] != slow_id and r["no_shards"] == [slow_id], r
+    assert "this peer flagged slow by most of the swarm" in swarm.peers[0].log()

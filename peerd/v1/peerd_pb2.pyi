@@ -56,7 +56,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays", "slow", "faulty")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class PeerInfo(_message.Message):
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_FIELD_NUMBER: _ClassVar[int]
+    FAULTY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -93,7 +95,9 @@ class PeerInfo(_message.Message):
     outbound_only: bool
     relay: str
     relays: bool
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ...) -> None: ...
+    slow: _containers.RepeatedScalarFieldContainer[str]
+    faulty: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -188,7 +192,7 @@ class StatusRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment", "tokens")
+    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment", "tokens", "leader", "no_shards")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +204,8 @@ class RoundSummary(_message.Message):
     NOTE_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    NO_SHARDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     algorithm: str
     included: _containers.RepeatedScalarFieldContainer[str]
@@ -211,7 +217,9 @@ class RoundSummary(_message.Message):
     note: str
     fragment: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    leader: str
+    no_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., leader: _Optional[str] = ..., no_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
@@ -324,7 +332,7 @@ class RendezvousRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens")
+    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +341,8 @@ class Group(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NO_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_LAG_MS_FIELD_NUMBER: _ClassVar[int]
     round_id: bytes
     step: int
     attempt: int
@@ -341,7 +351,9 @@ class Group(_message.Message):
     fragment: int
     leader: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    no_shards: _containers.RepeatedScalarFieldContainer[str]
+    join_lag_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group", "behind", "redirect")

@@ -1,0 +1,208 @@
+"""Slow and faulty peers found from their timings (in the spirit of C4, arXiv 2406.04594), not from failed dials alone.
+
+Every peer keeps, per other peer, what it measured itself: gossip round-trip time, the throughput of the streams that
+peer sent to us, how late its contribution arrived in a round (the leader's rendezvous lag, the owners' stream
+completion), and how much work it brought (tokens, for windowed runs). Peers are compared *within one round* (same
+step, same conditions), so a busy machine or a slow model moves everyone and flags no one: a member is an outlier in
+a round when its lag is more than `ratio` times the round's median (and above an absolute floor that loopback noise
+never reaches), or its throughput or tokens are less than the median over `ratio`. Rounds of fewer than three
+members have no median and judge nobody.
+
+A verdict needs `confirm` outlier rounds in a row and is lifted after `recover` normal rounds in a row, so one
+hiccup flags no one and a peer that recovers is trusted again. `faulty` is a peer blamed for `confirm` failed rounds
+in a row (timeouts, aborted streams) that it did not recover from with a success.
+
+Each peer gossips its own verdicts in its signed entry (`slow`, `faulty`); the swarm treats a peer as flagged when a
+strict majority of the other live peers report it (robust.majority_suspects), so one hostile peer cannot flag an honest
+one. A flagged peer still contributes to rounds; it only stops leading rounds and owning shards until its timings
+recover (peerd/roundclient.py, peerd/rendezvous.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from peerd.robust import majority_suspects
+from peerd.v1 import peerd_pb2 as pb
+
+SLOW, FAULTY = "slow", "faulty"
+RATIO = 3.0  # an outlier is this many times off the round's median
+LAG_FLOOR_S = 0.5  # lags below this are never outliers: a loaded loopback machine jitters by tens of ms
+CONFIRM = 2  # outlier rounds in a row before a verdict (the issue's goal: flagged within 3 outer steps)
+RECOVER = 3  # normal rounds in a row before a verdict is lifted
+RTT_WINDOW = 8
+
+
+@dataclass
+class PeerStats:
+    """What this peer measured of one other peer."""
+
+    rtt: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))
+    throughput: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))  # bytes/s of its streams to us
+    lag: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))  # seconds behind the round's first
+    outliers: int = 0  # outlier rounds in a row
+    normal: int = 0  # normal rounds in a row
+    failures: int = 0  # failed rounds in a row it was blamed for
+    slow: bool = False
+    faulty: bool = False
+    why: str = ""
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else 0.0
+
+
+class PeerTimings:
+    """Per-peer timing statistics and this peer's own slow/faulty verdicts (owned by the daemon loop)."""
+
+    def __init__(self, self_id: str, ratio: float = RATIO, confirm: int = CONFIRM, recover: int = RECOVER) -> None:
+        self.self_id = self_id
+        self.ratio = ratio
+        self.confirm = confirm
+        self.recover = recover
+        self.peers: dict[str, PeerStats] = {}
+        self.flag_events = 0  # verdicts given (a peer turning slow or faulty), for metrics
+
+    def stats(self, peer_id: str) -> PeerStats:
+        return self.peers.setdefault(peer_id, PeerStats())
+
+    # -- samples ----------------------------------------------------------------------------------------------------
+    def rtt(self, peer_id: str, seconds: float) -> None:
+        """A control-plane round trip (a Gossip call) to `peer_id`."""
+        if peer_id != self.self_id and seconds >= 0:
+            self.stats(peer_id).rtt.append(seconds)
+
+    def round(
+        self,
+        lag_s: Mapping[str, float] | None = None,
+        throughput: Mapping[str, float] | None = None,
+        tokens: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """One completed round's per-member measures (any subset): how late each member's contribution was, the
+        throughput of its stream to us, the tokens behind it. Judges each member against the round's median.
+        Returns the peers newly flagged slow."""
+        judged: dict[str, str] = {}
+        for pid, why in self._outliers(lag_s or {}, high=True, floor=LAG_FLOOR_S, what="late").items():
+            judged[pid] = why
+        for pid, why in self._outliers(throughput or {}, high=False, floor=0.0, what="throughput").items():
+            judged.setdefault(pid, why)
+        for pid, why in self._outliers({k: float(v) for k, v in (tokens or {}).items()}, False, 0.0, "tokens").items():
+            judged.setdefault(pid, why)
+        members = set(lag_s or {}) | set(throughput or {}) | set(tokens or {})
+        for pid, value in (lag_s or {}).items():
+            self.stats(pid).lag.append(value)
+        for pid, value in (throughput or {}).items():
+            self.stats(pid).throughput.append(value)
+        if len(members) < 3:
+            return []
+        flagged = []
+        for pid in members - {self.self_id}:
+            st = self.stats(pid)
+            if pid in judged:
+                st.outliers, st.normal = st.outliers + 1, 0
+                if not st.slow and st.outliers >= self.confirm:
+                    st.slow, st.why = True, judged[pid]
+                    self.flag_events += 1
+                    flagged.append(pid)
+            else:
+                st.outliers, st.normal = 0, st.normal + 1
+                if st.slow and st.normal >= self.recover:
+                    st.slow, st.why = False, ""
+        return flagged
+
+    def _outliers(self, values: Mapping[str, float], high: bool, floor: float, what: str) -> dict[str, str]:
+        if len(values) < 3:
+            return {}
+        med = statistics.median(values.values())
+        out = {}
+        for pid, v in values.items():
+            if high and v > floor and v > self.ratio * max(med, floor / self.ratio):
+                out[pid] = f"{what} {v:.2f} vs median {med:.2f}"
+            elif not high and med > 0 and v * self.ratio < med:
+                out[pid] = f"{what} {v:.3g} vs median {med:.3g}"
+        return out
+
+    def failed(self, blamed: set[str]) -> list[str]:
+        """A round failed naming `blamed`. Returns the peers newly flagged faulty."""
+        flagged = []
+        for pid in blamed - {self.self_id}:
+            st = self.stats(pid)
+            st.failures += 1
+            if not st.faulty and st.failures >= self.confirm:
+                st.faulty, st.why = True, f"blamed for {st.failures} failed rounds in a row"
+                self.flag_events += 1
+                flagged.append(pid)
+        return flagged
+
+    def succeeded(self, members: list[str]) -> None:
+        """A round with these members completed: their failure streaks end, and faulty verdicts heal over time."""
+        for pid in members:
+            st = self.peers.get(pid)
+            if st is None:
+                continue
+            st.failures = 0
+            if st.faulty:
+                st.normal += 1
+                if st.normal >= self.recover:
+                    st.faulty, st.why = False, ""
+
+    # -- verdicts ---------------------------------------------------------------------------------------------------
+    def verdicts(self, kind: str) -> list[str]:
+        """The peers this peer itself judges `kind` (sorted; gossiped in its own entry)."""
+        return sorted(pid for pid, st in self.peers.items() if getattr(st, kind))
+
+    def forget(self, live: set[str]) -> None:
+        """Drop peers no longer live, so stale verdicts do not linger in our entry."""
+        for pid in list(self.peers):
+            if pid not in live:
+                del self.peers[pid]
+
+
+class SwarmTimings:
+    """Our own verdicts (published in our entry) and the swarm's: peers a strict majority of the others flag."""
+
+    def __init__(self, me: pb.PeerInfo) -> None:
+        self.me = me
+        self.local = PeerTimings(me.peer_id)
+        self.flagged: dict[str, set[str]] = {SLOW: set(), FAULTY: set()}
+        self.votes: dict[str, int] = {}  # peer -> how many live peers flag it (either kind), for status
+        self.flagged_at: dict[str, int] = {}  # peer -> our outer step when the swarm first flagged it (benchmarks)
+
+    def is_flagged(self, peer_id: str) -> bool:
+        return peer_id in self.flagged[SLOW] or peer_id in self.flagged[FAULTY]
+
+    def refresh(self, alive: list[pb.PeerInfo], step: int = 0) -> list[str]:
+        """Publish our verdicts in our entry and recompute the swarm's from the live entries. Returns one line per
+        change worth logging (a peer flagged or cleared, and ourselves flagged)."""
+        self.local.forget({p.peer_id for p in alive})
+        for kind in (SLOW, FAULTY):
+            mine = self.local.verdicts(kind)
+            field_ = getattr(self.me, kind)
+            if list(field_) != mine:
+                del field_[:]
+                field_.extend(mine)
+        lines = []
+        votes: dict[str, int] = {}
+        for kind in (SLOW, FAULTY):
+            views = {p.peer_id: list(getattr(p, kind)) for p in alive}
+            views[self.me.peer_id] = list(getattr(self.me, kind))
+            now = majority_suspects(views)
+            for view in views.values():
+                for pid in set(view):
+                    votes[pid] = votes.get(pid, 0) + 1
+            for pid in sorted(now - self.flagged[kind]):
+                self.flagged_at.setdefault(pid, step)
+                who = "this peer" if pid == self.me.peer_id else f"peer {pid[:8]}"
+                lines.append(f"{who} flagged {kind} by most of the swarm: no round leading or shard ownership for it")
+            for pid in sorted(self.flagged[kind] - now):
+                lines.append(f"peer {pid[:8]} no longer flagged {kind}: its timings recovered")
+            self.flagged[kind] = now
+        self.votes = votes
+        return lines
+
+    def flag_of(self, peer_id: str) -> str:
+        """'slow', 'faulty' or '' for status lines."""
+        return FAULTY if peer_id in self.flagged[FAULTY] else SLOW if peer_id in self.flagged[SLOW] else ""
