@@ -1,9 +1,9 @@
 """NoLoCo matchmaking: each outer step, a peer finds a random partner (or a small group) to exchange tensors with.
 
 There is no leader and no global barrier. A peer that reaches the end of its inner steps (or, with send-ahead, the
-start of them) *proposes* to a live peer drawn uniformly at random among those whose outer step is within
-``max_staleness`` of its own (``Rounds.Match``); the target *accepts* when it is free and due at about the same
-time. Rules that keep groups disjoint:
+start of them) *proposes* to a live peer drawn at random among those whose outer step is within ``max_staleness``
+of its own, peers at a similar pace (their gossiped inner phase time) more likely than others (``Rounds.Match``);
+the target *accepts* when it is free and due at about the same time. Rules that keep groups disjoint:
 
 * A peer is in at most one group at a time, and refuses proposals while it is in one ("busy"). Nobody pairs with
   itself.
@@ -211,6 +211,17 @@ class Matchmaker:
             if p.peer_id != self.my_id and p.peer_id not in exclude and not p.left and abs(p.outer_step - step) <= s
         ]
 
+    def _pick(self, cands: list[pb.PeerInfo]) -> pb.PeerInfo:
+        """A random partner, preferring peers at a similar pace (their gossiped `phase_ms` against ours): a peer
+        1.5x slower or faster than us or less is as likely as any, one r times off is 1/r^2 as likely. Nobody is
+        ever excluded, so the slow and the fast still mix (NoLoCo needs random pairs to keep weights close); they
+        just rarely make each other wait. Peers that have not measured their pace yet count as similar."""
+        mine = self.phase_s
+        if math.isfinite(mine) and mine > 0:
+            self.me().phase_ms = min(int(mine * 1000), 2**32 - 1)  # published with our next signed entry
+        weights = [pace_weight(mine, p.phase_ms / 1000.0) for p in cands]
+        return self.rng.choices(cands, weights=weights)[0]
+
     async def _propose(self, target: pb.PeerInfo, step: int) -> pb.MatchResponse | None:
         self._proposing = target.peer_id
         done = self._proposal_done = asyncio.Event()
@@ -268,7 +279,7 @@ class Matchmaker:
                     busy.clear()  # peers that were busy may be free by the next sweep
                     await asyncio.sleep(min(self.rng.uniform(0.05, 0.2), max(deadline - time.monotonic(), 0.0)))
                     continue
-                target = self.rng.choice(cands)  # uniform over the eligible peers: pairings are unbiased
+                target = self._pick(cands)
                 resp = await self._propose(target, step)
                 if self._valid_accept(resp, target, step):
                     assert resp is not None
@@ -307,6 +318,14 @@ class Matchmaker:
             if not lagging:
                 return
             await asyncio.sleep(0.05)
+
+
+def pace_weight(mine_s: float, theirs_s: float) -> float:
+    """How likely a partner is drawn, by how far its inner phase time is from ours (1.0 within 1.5x)."""
+    if not (math.isfinite(mine_s) and mine_s > 0 and theirs_s > 0):
+        return 1.0
+    ratio = max(mine_s, theirs_s) / min(mine_s, theirs_s)
+    return 1.0 if ratio <= 1.5 else 1.0 / (ratio * ratio)
 
 
 def _refuse(reason: str) -> pb.MatchResponse:

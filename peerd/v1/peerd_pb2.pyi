@@ -56,7 +56,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays", "slow", "faulty")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays", "slow", "faulty", "phase_ms")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class PeerInfo(_message.Message):
     RELAYS_FIELD_NUMBER: _ClassVar[int]
     SLOW_FIELD_NUMBER: _ClassVar[int]
     FAULTY_FIELD_NUMBER: _ClassVar[int]
+    PHASE_MS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -97,7 +98,8 @@ class PeerInfo(_message.Message):
     relays: bool
     slow: _containers.RepeatedScalarFieldContainer[str]
     faulty: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ...) -> None: ...
+    phase_ms: int
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ..., phase_ms: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
