@@ -138,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':>10} | {'B before':>8} | {'spike (max - before)':>20} | {'steps to recover':>16} | B final | A after")
     for name, r in rows.items():
         rec = "never" if r["recover"] is None else f"{r['recover']:.0f}"
-        print(
-            f"{name:>10} | {r['before']:8.4f} | {r['spike']:+20.4f} | {rec:>16} | {r['final']:7.4f} | {r['a_after']:.4f}"
-        )
+        cells = f"{r['before']:8.4f} | {r['spike']:+20.4f} | {rec:>16} | {r['final']:7.4f} | {r['a_after']:.4f}"
+        print(f"{name:>10} | {cells}")
     base, rew = rows["no rewarm"], rows["rewarm"]
     if base["spike"] > 0:
         print(f"spike ratio rewarm / no rewarm: {rew['spike'] / base['spike']:.2f}")

@@ -61,7 +61,7 @@ class ModelSection:
 class DataSection:
     path: str = ""  # directory of text files or a uint16 token file; empty = the Python standard library sources
     factory: str = ""  # "package.module:factory" returning (train, eval) data objects instead of the built-in reader
-    tokenizer: str = ""  # a tokenizers tokenizer.json: text becomes its uint16 ids instead of bytes (trainer/tokenize.py)
+    tokenizer: str = ""  # a tokenizers tokenizer.json: text becomes its uint16 ids, not bytes (trainer/tokenize.py)
     batch_size: int = 8
     num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
     eval_batches: int = 4

@@ -33,8 +33,8 @@ from peerd.swarm import DaemonSwarm
 from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
-from trainer.inner import make_inner_optimizer, rewarm
 from trainer.initfrom import InitError, load_init
+from trainer.inner import make_inner_optimizer, rewarm
 from trainer.model import GPT, ModelConfig
 from trainer.plugin import build_model, load_factory
 
@@ -220,8 +220,12 @@ class Worker:
         if steps > 0 and (jump >= 2 or why == "fork"):
             rewarm(self.opt, self.sched, steps)
             self.rewarms += 1
-            log.info("re-warming the inner optimizer over %d steps (fresh AdamW moments): adopted a state %s", steps,
-                     "that diverged from ours" if why == "fork" else f"{jump} outer steps ahead of ours")
+            log.info(
+                "re-warming the inner optimizer over %d steps (fresh AdamW moments): adopted a state %s",
+                steps,
+                "that diverged from ours" if why == "fork" else f"{jump} outer steps ahead of ours",
+            )
+
     def heal(self) -> bool:
         """If a live peer's state outranks ours, adopt it: the split-brain rule, also catching up when behind.
         Returns True when our state changed."""

@@ -61,7 +61,7 @@ def test_missing_config_is_one_line() -> None:
     from trainer.hf import causal_lm
     from trainer.plugin import PluginError
 
-    with pytest.raises(PluginError, match="needs model.config"):
+    with pytest.raises(PluginError, match=r"needs model\.config"):
         causal_lm({"seed": 0})
 
 

@@ -90,12 +90,15 @@ def _tokenized(
     tokenizer: str | os.PathLike[str], text: memoryview, vocab_size: int, cache_dir: str | os.PathLike[str] | None
 ) -> memoryview:
     """``text`` through the tokenizer (cached), checked against the model's vocabulary."""
-    from trainer.tokenize import TokenizerError, tokenize_text, vocab_size as tokenizer_vocab
+    from trainer.tokenize import TokenizerError, tokenize_text
+    from trainer.tokenize import vocab_size as tokenizer_vocab
 
     try:
         size = tokenizer_vocab(tokenizer)
         if size > vocab_size:
-            raise DataError(f"data.tokenizer {tokenizer} has {size} tokens, more than the model's vocab_size {vocab_size}")
+            raise DataError(
+                f"data.tokenizer {tokenizer} has {size} tokens, more than the model's vocab_size {vocab_size}"
+            )
         ids = tokenize_text(tokenizer, bytes(text), Path(cache_dir) if cache_dir is not None else None)
     except TokenizerError as exc:
         raise DataError(str(exc)) from None

@@ -52,7 +52,7 @@ def _read_config(path: str) -> dict[str, Any]:
     except ValueError as exc:
         raise PluginError(f"model.config {p} is not valid JSON: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-        raise PluginError(f"model.config {p} must be a JSON object with a model_type (e.g. \"llama\", \"gpt2\")")
+        raise PluginError(f'model.config {p} must be a JSON object with a model_type (e.g. "llama", "gpt2")')
     return raw
 
 

@@ -103,7 +103,8 @@ def load_init(path: str | os.PathLike[str], model: nn.Module) -> int:
             raise InitError(f"--init-from {path}: {name!r} is not a parameter of this model (first unexpected key)")
         if tuple(t.shape) != tuple(target.shape):
             raise InitError(
-                f"--init-from {path}: {name!r} has shape {tuple(t.shape)} in the file, {tuple(target.shape)} in the model"
+                f"--init-from {path}: {name!r} has shape {tuple(t.shape)} in the file, "
+                f"{tuple(target.shape)} in the model"
             )
         if target.is_floating_point() and not t.is_floating_point():
             raise InitError(f"--init-from {path}: {name!r} is {t.dtype} in the file, the model needs floats")
@@ -111,12 +112,14 @@ def load_init(path: str | os.PathLike[str], model: nn.Module) -> int:
             raise InitError(f"--init-from {path}: {name!r} holds NaN or Inf")
         other = given.get(id(target))
         if other is not None and not torch.equal(other[1].to(target.dtype), t.to(target.dtype)):
-            raise InitError(f"--init-from {path}: {other[0]!r} and {name!r} are tied in the model but differ in the file")
+            raise InitError(
+                f"--init-from {path}: {other[0]!r} and {name!r} are tied in the model but differ in the file"
+            )
         given[id(target)] = (name, t)
     for pid, name in params.items():
         if pid not in given:
             raise InitError(f"--init-from {path}: the file has no {name!r} (first missing parameter)")
-    for name, target in targets.items():
+    for target in targets.values():
         if id(target) in given:
             target.copy_(given[id(target)][1].to(dtype=target.dtype, device=target.device))
     return len(params)

@@ -111,9 +111,7 @@ def make_inner_optimizer(
     return optimizer, scheduler
 
 
-def rewarm(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int
-) -> None:
+def rewarm(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
     """Forget AdamW's moments and ramp the lr up again over ``steps`` from the scheduler's current step.
 
     The lr of every group is set at once, so the very next step already runs at the ramp's first value.
