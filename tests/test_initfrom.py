@@ -183,3 +183,14 @@ def test_rewarm_resets_moments_and_lr_now_and_survives_a_checkpoint() -> None:
     _, sched2 = make_inner_optimizer(tiny(), lr=1e-2, weight_decay=0.0, warmup_steps=2, total_steps=None)
     sched2.load_state_dict(saved)
     assert sched2.lr_lambdas[0].rewarm_at == 5 and sched2.lr_lambdas[0](6) == pytest.approx(0.5)
+
+
+def test_hf_factory_without_the_extra_is_one_line() -> None:
+    import importlib.util
+
+    from trainer.plugin import PluginError, build_model
+
+    if importlib.util.find_spec("transformers") is not None:
+        pytest.skip("transformers is installed: the missing-extra message cannot show")
+    with pytest.raises(PluginError, match=r"needs transformers: pip install 'peerd\[hf\]'"):
+        build_model("trainer.hf:causal_lm", {"config": "examples/hf/tiny-llama/config.json"})
