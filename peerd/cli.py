@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="seconds to retry bootstrap addresses where nothing answers (default: [network] join_timeout, 60)",
     )
+    p.add_argument(
+        "--init-from",
+        help="start from these weights (a peerd checkpoint.pt or a .safetensors state dict) instead of the seed's; "
+        "every peer passes the same file (its sha256 is run.init_digest, part of the run id)",
+    )
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser("status", help="print one peer's view of the run")
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory with the peers' data and logs")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--init-from", help="every peer starts from this checkpoint.pt or .safetensors file")
 
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False))
@@ -209,12 +215,39 @@ def _check_checkpoint(path: Path) -> None:
         raise UserError(f"cannot read {path} ({exc.strerror or exc}); fix its permissions or move it away") from exc
 
 
+def _init_digest(cfg: RunConfig, init_from: str | None) -> Path | None:
+    """Check --init-from against the spec before joining: the file's sha256 becomes run.init_digest (part of the run
+    id), or must equal it when the config names one; a config that names one needs the file."""
+    if not init_from:
+        if cfg.run.init_digest:
+            raise UserError(
+                f"run.init_digest is set ({cfg.run.init_digest[:12]}...): start with --init-from FILE, the weights "
+                "file with that sha256 every peer of this run starts from"
+            )
+        return None
+    from trainer.initfrom import InitError, check_init_file, file_digest
+
+    try:
+        check_init_file(init_from)
+        digest = file_digest(init_from)
+    except InitError as exc:
+        raise UserError(str(exc)) from exc
+    if cfg.run.init_digest and cfg.run.init_digest != digest:
+        raise UserError(
+            f"--init-from {init_from} has sha256 {digest[:12]}..., the config's run.init_digest is "
+            f"{cfg.run.init_digest[:12]}...: use the file the run starts from"
+        )
+    cfg.run.init_digest = digest
+    return Path(init_from)
+
+
 def _start(args: argparse.Namespace) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("peerd")
     _check_start_args(args)
     cfg = RunConfig.load(args.config)
+    init_from = _init_digest(cfg, args.init_from)
     from peerd import bootstrap, datadir
 
     data_dir = Path(args.data_dir)
@@ -279,7 +312,15 @@ def _start(args: argparse.Namespace) -> int:
         if args.wait_peers > 1:
             daemon.wait_for_peers(args.wait_peers, shutdown.stop)
         try:
-            worker = Worker(cfg, daemon, data_dir, device=args.device, shard=args.shard, on_outer_step=_log_outer_step)
+            worker = Worker(
+                cfg,
+                daemon,
+                data_dir,
+                device=args.device,
+                shard=args.shard,
+                on_outer_step=_log_outer_step,
+                init_from=init_from,
+            )
         except ValueError as exc:  # bad model/data factory, data path, ...
             raise UserError(f"cannot start training: {exc}") from exc
         shutdown.training()

@@ -41,12 +41,16 @@ class RunSection:
     algorithm: str = "diloco"
     seed: int = 0
     outer_steps: int = 0  # stop after this many outer steps; 0 runs until stopped
+    # sha256 (hex) of the file every peer starts from (`peerd start --init-from FILE` fills it in when empty); "" with
+    # no --init-from: initial weights come from the seed
+    init_digest: str = ""
 
 
 @dataclass
 class ModelSection:
     preset: str = "tiny"
     factory: str = ""  # "package.module:factory" to train your own model instead of the built-in one
+    config: str = ""  # a model config file handed to the factory (trainer.hf:causal_lm: a transformers config.json)
     n_layer: int = 0  # 0 keeps the preset's value
     n_head: int = 0
     d_model: int = 0
@@ -57,6 +61,7 @@ class ModelSection:
 class DataSection:
     path: str = ""  # directory of text files or a uint16 token file; empty = the Python standard library sources
     factory: str = ""  # "package.module:factory" returning (train, eval) data objects instead of the built-in reader
+    tokenizer: str = ""  # a tokenizers tokenizer.json: text becomes its uint16 ids, not bytes (trainer/tokenize.py)
     batch_size: int = 8
     num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
     eval_batches: int = 4
@@ -73,6 +78,10 @@ class InnerSection:
     # DiLoCo: >0 trains for this many wall-clock seconds per outer step (as many inner steps as fit, at least one)
     # instead of exactly `steps`, so fast peers never wait for slow ones; rounds weight contributions by their tokens
     window_s: float = 0.0
+    # re-warmup when the weights jump: a run started with --init-from warms up over this many steps (instead of
+    # warmup_steps), and a peer that adopts a downloaded state 2+ outer steps ahead of its own (or a diverged one)
+    # resets its AdamW moments and warms up again over it; "auto": warmup_steps; 0: never
+    rewarm_steps: int | str = "auto"
 
 
 @dataclass
@@ -187,6 +196,8 @@ class RunConfig:
     network: NetworkSection = field(default_factory=NetworkSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    # sha256 of the files the spec names, filled in by validate(); in the spec as "files" when any is set
+    file_digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     # -- loading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -225,6 +236,12 @@ class RunConfig:
         self._validate_codec()
         if self.inner.steps < 1:
             raise ConfigError("inner.steps must be >= 1")
+        rewarm = self.inner.rewarm_steps
+        if rewarm != "auto" and not (isinstance(rewarm, int) and rewarm >= 0):
+            raise ConfigError(f'inner.rewarm_steps must be "auto" or an int >= 0, got {rewarm!r}')
+        if self.run.init_digest and not _is_hex_key(self.run.init_digest):
+            raise ConfigError("run.init_digest must be a 64-hex-digit sha256 (peerd start --init-from fills it in)")
+        self._digest_files()
         if self.data.batch_size < 1 or self.data.num_shards < 1:
             raise ConfigError("data.batch_size and data.num_shards must be >= 1")
         if self.noloco.group_size < 2:
@@ -264,6 +281,24 @@ class RunConfig:
             raise ConfigError("network.join_timeout must be > 0 seconds")
         if self.network.relay_max_peers < 0 or not self.network.relay_peer_mbit > 0:
             raise ConfigError("network.relay_max_peers must be >= 0 and network.relay_peer_mbit > 0")
+
+    @property
+    def rewarm_steps(self) -> int:
+        """inner.rewarm_steps with "auto" resolved to inner.warmup_steps."""
+        r = self.inner.rewarm_steps
+        return self.inner.warmup_steps if r == "auto" else int(r)
+
+    def _digest_files(self) -> None:
+        """Hash the files the spec names (model config, tokenizer) once: their contents, not only their paths, are part
+        of the run id, so peers holding different files at the same path never mix."""
+        self.file_digests = {}
+        for key, value in (("model.config", self.model.config), ("data.tokenizer", self.data.tokenizer)):
+            if not value:
+                continue
+            try:
+                self.file_digests[key] = hashlib.sha256(Path(value).read_bytes()).hexdigest()
+            except OSError as exc:
+                raise ConfigError(f"{key} = {value!r}: cannot read it ({exc.strerror or exc})") from None
 
     def _validate_codec(self) -> None:
         """The sparse codec's keys, and what it needs: error feedback, which DiLoCo and Streaming DiLoCo carry (NoLoCo
@@ -325,6 +360,16 @@ class RunConfig:
         del spec["run"]["outer_steps"]
         if self.codec.name != "sparse":  # always the defaults then: left out of the spec
             del spec["codec"]["density"], spec["codec"]["bits"]
+        for section, key, default in (
+            ("run", "init_digest", ""),
+            ("model", "config", ""),
+            ("data", "tokenizer", ""),
+            ("inner", "rewarm_steps", "auto"),
+        ):  # new keys at their defaults stay out, so existing runs keep their run ids
+            if spec[section][key] == default:
+                del spec[section][key]
+        if self.file_digests:
+            spec["files"] = dict(sorted(self.file_digests.items()))
         spec["protocol"] = PROTOCOL
         return spec
 
@@ -352,7 +397,7 @@ def _is_hex_key(text: str) -> bool:
     return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
-INT_OR_AUTO = {"streaming.tau"}  # keys that take an int or the string "auto"
+INT_OR_AUTO = {"streaming.tau", "inner.rewarm_steps"}  # keys that take an int or the string "auto"
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
@@ -382,15 +427,18 @@ name = "peerd-run"
 algorithm = "diloco"      # diloco | streaming | noloco | ddp (every-step all-reduce baseline)
 seed = 0                  # all peers start from the same weights built from this seed
 outer_steps = 0           # this peer stops after this many outer steps (0 = run until stopped); local
+init_digest = ""          # sha256 of the weights file every peer starts from; `peerd start --init-from FILE` fills it
 
 [model]
 preset = "tiny"           # tiny (tests) | small (~10M) | medium (~30M) | base (~100M, GPUs)
-factory = ""              # "package.module:factory" to plug in your own model (see README)
+factory = ""              # "package.module:factory" to plug in your own model (see README), e.g. "trainer.hf:causal_lm"
+config = ""               # a file for the factory: trainer.hf:causal_lm reads a transformers config.json (no download)
 # n_layer = 0, n_head = 0, d_model = 0, seq_len = 0 override the preset when non-zero
 
 [data]
 path = ""                 # directory of text files or a uint16 token file; "" = Python stdlib sources
 factory = ""              # "package.module:factory" for your own data (see README)
+tokenizer = ""            # a tokenizers tokenizer.json: text is trained as its ids (pip install 'peerd[hf]')
 batch_size = 8
 num_shards = 16           # the train stream is split into this many shards; each peer reads its own
 eval_batches = 4          # held-out batches for the eval loss after each outer step
@@ -403,6 +451,8 @@ weight_decay = 0.1
 grad_clip = 1.0
 total_steps = 0           # >0: cosine-decay the inner lr to 10% by this inner step (part of the spec); 0: constant
 window_s = 0.0            # diloco: >0 = train this many seconds per outer step (steps sized to speed, token-weighted)
+rewarm_steps = "auto"     # warmup after --init-from, and after adopting a state 2+ outer steps ahead (fresh AdamW
+                          # moments); "auto" = warmup_steps, 0 = never
 
 [outer]                   # DiLoCo / Streaming DiLoCo outer Nesterov SGD
 lr = 0.7

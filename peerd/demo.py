@@ -133,6 +133,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
         raise UserError(f"--peers {args.peers}: need at least 1 peer")
     raw = demo_config(args)
+    init_from = getattr(args, "init_from", None)
+    if init_from and not Path(init_from).is_file():
+        from peerd.errors import UserError
+
+        raise UserError(f"--init-from {init_from}: no such file (give a peerd checkpoint.pt or a .safetensors file)")
     keep = bool(args.workdir or getattr(args, "keep", False))
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="peerd-demo-"))
     try:
@@ -154,12 +159,14 @@ def _run(args: argparse.Namespace, raw: dict[str, Any], workdir: Path, keep: boo
     )
     procs: list[subprocess.Popen] = []
     t_start = time.monotonic()
+    init_from = getattr(args, "init_from", None)
+    extra = ["--init-from", str(Path(init_from).resolve())] if init_from else []
     try:
-        procs.append(start_peer(workdir, 0, config, None, args.peers))
+        procs.append(start_peer(workdir, 0, config, None, args.peers, extra))
         first = _wait_file(workdir / "peer0" / "address", procs[0], 120)
         print(f"peer 0 serving on {first}; starting {args.peers - 1} more that bootstrap from it", flush=True)
         for i in range(1, args.peers):
-            procs.append(start_peer(workdir, i, config, first, args.peers))
+            procs.append(start_peer(workdir, i, config, first, args.peers, extra))
         addresses = [first] + [
             _wait_file(workdir / f"peer{i}" / "address", procs[i], 120) for i in range(1, args.peers)
         ]

@@ -33,7 +33,8 @@ from peerd.swarm import DaemonSwarm
 from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_checkpoint
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
-from trainer.inner import make_inner_optimizer
+from trainer.initfrom import InitError, load_init
+from trainer.inner import make_inner_optimizer, rewarm
 from trainer.model import GPT, ModelConfig
 from trainer.plugin import build_model, load_factory
 
@@ -45,13 +46,23 @@ def build_run_model(cfg: RunConfig) -> torch.nn.Module:
     """The built-in GPT (preset plus overrides) or the user's factory; identical weights on every peer."""
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "d_model", "seq_len") if getattr(m, k)}
+    if cfg.data.tokenizer:  # the model's vocabulary follows the tokenizer's
+        from trainer.tokenize import TokenizerError, vocab_size
+
+        try:
+            overrides["vocab_size"] = vocab_size(cfg.data.tokenizer)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
     if m.factory:
-        return build_model(m.factory, {"preset": m.preset, "seed": cfg.run.seed, **overrides})
+        extra = {"config": m.config} if m.config else {}
+        return build_model(m.factory, {"preset": m.preset, "seed": cfg.run.seed, **extra, **overrides})
     mc = ModelConfig.from_dict({"preset": m.preset, **overrides})
     return GPT(mc, seed=cfg.run.seed)
 
 
-def build_run_data(cfg: RunConfig, seq_len: int) -> tuple[Any, Any]:
+def build_run_data(
+    cfg: RunConfig, seq_len: int, vocab_size: int = 256, cache_dir: Path | None = None
+) -> tuple[Any, Any]:
     """The built-in reader (text directory, uint16 token file, or the stdlib sources), or the user's data factory.
 
     A data factory is called as `factory({"path": ..., "seq_len": ..., "seed": ...})` and returns (train, eval)
@@ -66,10 +77,10 @@ def build_run_data(cfg: RunConfig, seq_len: int) -> tuple[Any, Any]:
                 raise ValueError(f"data factory {cfg.data.factory!r}: its {what} object lacks batch/eval_batches")
         return train, evaluation
     path = cfg.data.path or None
-    return (
-        TokenData.from_path(path, seq_len=seq_len, split="train"),
-        TokenData.from_path(path, seq_len=seq_len, split="eval"),
-    )
+    kw: dict[str, Any] = {"seq_len": seq_len, "vocab_size": vocab_size}
+    if cfg.data.tokenizer:
+        kw.update(tokenizer=cfg.data.tokenizer, cache_dir=cache_dir)
+    return TokenData.from_path(path, split="train", **kw), TokenData.from_path(path, split="eval", **kw)
 
 
 def model_seq_len(model: torch.nn.Module, cfg: RunConfig) -> int:
@@ -105,7 +116,10 @@ class Worker:
         device: str | None = None,
         shard: int | None = None,
         on_outer_step: Callable[[Worker], None] | None = None,
+        init_from: Path | None = None,
     ) -> None:
+        """`init_from`: a peerd checkpoint or safetensors file the weights start from (instead of the seed's init);
+        its sha256 must be the spec's run.init_digest, which `peerd start --init-from` sees to."""
         self.cfg = cfg
         self.daemon = daemon
         self.swarm = DaemonSwarm(daemon)
@@ -113,11 +127,19 @@ class Worker:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.on_outer_step = on_outer_step
         torch.manual_seed(cfg.run.seed)
-        self.model = build_run_model(cfg).to(self.device)
+        self.model = build_run_model(cfg)
+        if init_from is not None:  # before the algorithm copies the model into its global state
+            try:
+                n = load_init(init_from, self.model)
+            except InitError as exc:
+                raise ValueError(str(exc)) from None
+            log.info("initial weights (%d parameters) from %s", n, init_from)
+        self.model.to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
         self.tokens_per_step = cfg.data.batch_size * self.seq_len
-        self.train_data, self.eval_data = build_run_data(cfg, self.seq_len)
+        vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 256) or 256)
+        self.train_data, self.eval_data = build_run_data(cfg, self.seq_len, vocab, cache_dir=self.data_dir)
         # Any number of peers may train: `slot` (--shard, or derived from the peer id) picks data shard
         # slot % data.num_shards, and seeds the batch generator, so peers that share a data shard still draw different
         # batches. Batches depend on the run seed and the slot only: two runs with the same seeds see the same data.
@@ -126,14 +148,16 @@ class Worker:
         seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.slot}".encode()).hexdigest()[:8], 16)
         self.gen = torch.Generator().manual_seed(seed)
         # The schedule comes from the spec (inner.total_steps), never from run.outer_steps, which is local: peers may
-        # stop at different times but must all follow one schedule. Default: constant after warmup.
+        # stop at different times but must all follow one schedule. Default: constant after warmup. Trained weights
+        # from --init-from warm up over inner.rewarm_steps instead (0: straight to the full lr).
         self.opt, self.sched = make_inner_optimizer(
             self.model,
             lr=cfg.inner.lr,
             weight_decay=cfg.inner.weight_decay,
-            warmup_steps=cfg.inner.warmup_steps,
+            warmup_steps=cfg.rewarm_steps if init_from is not None else cfg.inner.warmup_steps,
             total_steps=cfg.inner.total_steps or None,
         )
+        self.rewarms = 0  # times a downloaded state made us re-warm the inner optimizer
         self.inner_step = 0
         self.outer_step = 0
         self.saved_step: int | None = None  # outer step of the checkpoint on disk (None: none written or loaded)
@@ -187,9 +211,21 @@ class Worker:
             self.daemon.status.forks_healed += 1
         if self.daemon.metrics is not None:
             self.daemon.metrics.state_downloads.labels(why=why).inc()
+        jump = snap.step - self.outer_step
         self.algorithm.load_state_tensors(self, snap.tensors)
         self.algorithm.work = snap.work
         self.outer_step = snap.step
+        # DiLoCo replaces the weights every outer step and AdamW copes; a jump of 2+ outer steps (a late joiner, a
+        # restart) or onto a diverged state leaves the moments describing other weights: re-warm (inner.rewarm_steps)
+        steps = self.cfg.rewarm_steps
+        if steps > 0 and (jump >= 2 or why == "fork"):
+            rewarm(self.opt, self.sched, steps)
+            self.rewarms += 1
+            log.info(
+                "re-warming the inner optimizer over %d steps (fresh AdamW moments): adopted a state %s",
+                steps,
+                "that diverged from ours" if why == "fork" else f"{jump} outer steps ahead of ours",
+            )
 
     def heal(self) -> bool:
         """If a live peer's state outranks ours, adopt it: the split-brain rule, also catching up when behind.
@@ -391,6 +427,7 @@ class Worker:
             "work": self.algorithm.work,
             "state_downloads": st.state_downloads,
             "forks_healed": st.forks_healed,
+            "rewarms": self.rewarms,
             "rejected_messages": st.rejected_messages,
             "rejected_contributions": st.rejected_contributions,
             "banned": self.daemon.bans.banned(),

@@ -86,6 +86,25 @@ def _map_u16(path: Path, vocab_size: int) -> memoryview:
     return mapped
 
 
+def _tokenized(
+    tokenizer: str | os.PathLike[str], text: memoryview, vocab_size: int, cache_dir: str | os.PathLike[str] | None
+) -> memoryview:
+    """``text`` through the tokenizer (cached), checked against the model's vocabulary."""
+    from trainer.tokenize import TokenizerError, tokenize_text
+    from trainer.tokenize import vocab_size as tokenizer_vocab
+
+    try:
+        size = tokenizer_vocab(tokenizer)
+        if size > vocab_size:
+            raise DataError(
+                f"data.tokenizer {tokenizer} has {size} tokens, more than the model's vocab_size {vocab_size}"
+            )
+        ids = tokenize_text(tokenizer, bytes(text), Path(cache_dir) if cache_dir is not None else None)
+    except TokenizerError as exc:
+        raise DataError(str(exc)) from None
+    return memoryview(ids)
+
+
 class TokenData:
     """One split of a token stream, with sharded random training windows and fixed evaluation batches."""
 
@@ -113,12 +132,16 @@ class TokenData:
         eval_fraction: float = 0.05,
         vocab_size: int = 256,
         max_bytes: int | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> TokenData:
         """Load ``split`` of the stream at ``path``; the last ``eval_fraction`` of the tokens is "eval".
 
         ``path`` is a directory of text files (``.py .txt .md .rst``; raw bytes are the tokens), a
         ``*.bin`` or ``*.u16`` little-endian uint16 token file, or None for the stdlib's ``*.py`` sources.
         ``max_bytes`` caps how much text is read (None: all of a directory, 20 MB of the stdlib).
+        ``tokenizer``: a tokenizer.json; text is then turned into its uint16 ids (cached in ``cache_dir``, see
+        :mod:`trainer.tokenize`) instead of bytes.
         """
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise DataError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -137,7 +160,7 @@ class TokenData:
             source = f"stdlib:{root}"
             files = _text_files(root, frozenset({".py"}), _STDLIB_SKIP)
             raw = _read_capped(files, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
-            buffer = _text_buffer(raw, vocab_size, source)
+            buffer = _text_buffer(raw, 256 if tokenizer else vocab_size, source)
         else:
             p = Path(path)
             source = str(p)
@@ -145,14 +168,19 @@ class TokenData:
                 files = _text_files(p, TEXT_SUFFIXES, frozenset({"__pycache__"}))
                 if not files:
                     raise DataError(f"no {sorted(TEXT_SUFFIXES)} files under {p}")
-                buffer = _text_buffer(_read_capped(files, max_bytes), vocab_size, source)
+                buffer = _text_buffer(_read_capped(files, max_bytes), 256 if tokenizer else vocab_size, source)
             elif p.is_file() and p.suffix in TOKEN_SUFFIXES:
+                if tokenizer:
+                    raise DataError(f"data.tokenizer applies to text, but data.path {p} is already a token file")
                 buffer, dtype = _map_u16(p, vocab_size), torch.uint16
             elif p.exists():
                 raise DataError(f"{p} is neither a text directory nor a {sorted(TOKEN_SUFFIXES)} token file")
             else:
                 raise DataError(f"data path {p} does not exist")
 
+        if tokenizer:
+            buffer, dtype = _tokenized(tokenizer, buffer, vocab_size, cache_dir), torch.uint16
+            source = f"{source} via {tokenizer}"
         itemsize = 1 if dtype == torch.uint8 else 2
         n_tokens = len(buffer) // itemsize
         cut = (n_tokens - int(n_tokens * float(eval_fraction))) * itemsize

@@ -1,4 +1,9 @@
-"""The inner (local) optimizer: AdamW with linear warmup and cosine decay.
+"""The inner (local) optimizer: AdamW with linear warmup and cosine decay, and re-warmup when the weights jump.
+
+Re-warming (Gupta et al. 2023, "Continual Pre-Training of Large Language Models: How to (re)warm your model?"):
+AdamW's moments describe the weights they were accumulated on. When those weights are replaced by very different
+ones (a downloaded swarm state many outer steps ahead), stepping at the full lr with stale moments spikes the loss;
+fresh moments and a short linear ramp avoid it.
 
 Biases, normalisation gains and embeddings get no weight decay: decaying them drags useful scales and token
 statistics towards zero without regularising anything that matters.
@@ -31,21 +36,26 @@ NO_DECAY_MODULES: tuple[type[nn.Module], ...] = tuple(
 class WarmupCosine:
     """LR multiplier: linear warmup to 1, then cosine decay to ``floor`` at ``total_steps`` (flat if None).
 
+    A re-warm from step ``rewarm_at`` caps the multiplier with a second linear ramp over ``rewarm_steps`` (the lower
+    of the two ramps wins, so a re-warm during the initial warmup never slows it twice).
     A callable object rather than a lambda so ``LambdaLR.state_dict()`` saves it (as plain numbers).
     """
 
     warmup_steps: int
     total_steps: int | None
     floor: float = 0.1
+    rewarm_at: int | None = None
+    rewarm_steps: int = 0
 
     def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.total_steps is None:
-            return 1.0
+        warm = 1.0 if step >= self.warmup_steps else (step + 1) / self.warmup_steps
+        if self.rewarm_at is not None and self.rewarm_steps > 0 and step >= self.rewarm_at:
+            warm = min(warm, (step - self.rewarm_at + 1) / self.rewarm_steps)
+        if self.total_steps is None or step < self.warmup_steps:
+            return warm
         decay_steps = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return warm * (self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -99,3 +109,22 @@ def make_inner_optimizer(
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup_steps, total_steps))
     return optimizer, scheduler
+
+
+def rewarm(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
+    """Forget AdamW's moments and ramp the lr up again over ``steps`` from the scheduler's current step.
+
+    The lr of every group is set at once, so the very next step already runs at the ramp's first value.
+    """
+    if steps <= 0:
+        return
+    optimizer.state.clear()
+    step = scheduler.last_epoch
+    schedules = {id(f): f for f in scheduler.lr_lambdas}.values()
+    for sched in schedules:
+        if not isinstance(sched, WarmupCosine):
+            raise TypeError(f"cannot re-warm a {type(sched).__name__} schedule")
+        sched.rewarm_at, sched.rewarm_steps = step, int(steps)
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
