@@ -162,10 +162,19 @@ class Gossip:
 
     def refresh_timing(self) -> None:
         """Publish our slow/faulty verdicts and recompute the swarm's (peerd/timings.py); say what changed."""
-        for line in self.d.timing.refresh(self.d.membership.alive(include_self=False), self.d.status.outer_step):
+        for line in self.d.timing.refresh(
+            self.d.membership.alive(include_self=False),
+            self.d.status.outer_step,
+            known=set(self.d.membership.entries),
+        ):
             if line.startswith("this peer"):
                 why = self.d.round_client.self_evidence
-                line += f"; {why}" if why else "; the other peers see its contributions arrive late"
+                line += (
+                    f"; {why}"
+                    if why
+                    else "; your link is the bottleneck: the other peers get your contributions late, round after "
+                    "round; use a faster uplink or a smaller codec (codec.name = 'int4' or 'sparse')"
+                )
             log.warning(line)
         if self.d.metrics is not None:
             self.d.metrics.record_flags(self.d.timing)

@@ -335,7 +335,7 @@ class RoundClient:
             )
         if not self.self_evidence and len(ids) >= 3:
             mine, rest = lag_s[me], sorted(v for pid, v in lag_s.items() if pid != me)
-            if mine > 0.5 and mine > timing.ratio * rest[len(rest) // 2]:
+            if mine > 0.5 and mine > timing.lag_ratio * rest[len(rest) // 2]:
                 self.self_evidence = f"your contribution comes last: {mine:.1f} s after the others' median"
 
     def record_round(

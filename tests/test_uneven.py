@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.netswarm import NetSwarm
 from tests.swarm import Swarm, ids_in_order, tiny_config
+from tests.test_slowlink import needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = pytest.mark.slow
@@ -74,3 +76,22 @@ def test_a_slow_peer_is_flagged_from_its_timings_and_stops_leading_and_owning(tm
             assert slow_id in r["included"] and len(r["included"]) == 4, r  # it still contributes
             assert r["leader"] != slow_id and r["no_shards"] == [slow_id], r
     assert "this peer flagged slow by most of the swarm" in swarm.peers[0].log()
+
+
+@needs_netns
+def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path) -> None:
+    """Peers in network namespaces, one of them on a tbf-shaped link 10x slower both ways: its contributions reach
+    the shard owners late round after round, the others flag it slow within 3 outer steps and it stops owning a
+    shard (which took every other peer's bytes over its slow link), while it still contributes to every round."""
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    with NetSwarm(tmp_path, 4, cfg, rate_mbit=[20.0, 20.0, 20.0, 2.0]) as swarm:
+        swarm.wait_exit(240)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[3]["peer_id"]
+    for s in summaries[:3]:
+        assert s["flags"]["slow"] == [slow_id], s["flags"]
+        assert s["flagged_at_step"][slow_id] <= 3, s["flagged_at_step"]
+        late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
+        assert late and all(slow_id in r["included"] and r["no_shards"] == [slow_id] for r in late), s["rounds"]
+    assert "this peer flagged slow by most of the swarm" in swarm.peers[3].log()
