@@ -1,0 +1,271 @@
+"""Slow and uneven peers at equal wall time: who idles, whose work is lost, what the model gains, how fast the
+outlier is flagged.
+
+    python -m bench.uneven [--quick] [--wall 60] [--repeats 1] [--family compute,link] [--json]
+
+Four peers of real `peerd start` processes train the tiny built-in GPT for the same wall time `--wall` in every
+scenario (then SIGTERM: each peer stops after its inner step and writes its checkpoint and summary). Compute family,
+on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inner step (about 3x slower):
+
+- `uniform`: 4 equal peers, fixed H (the reference, and the "no false flags" check)
+- `wait`: the slow peer in, fixed H: every round waits for it (today's DiLoCo)
+- `drop`: the 3 fast peers only, fixed H: nobody waits, the slow peer's compute is not used
+- `window`: the slow peer in, `inner.window_s` = H x the fast step: as many steps as fit, token-weighted rounds,
+  late work carried (`outer.late_work = "carry"`)
+
+Link family (root: network namespaces with tbf, bench/slowlink.py): one peer's link 10x slower both ways than the
+others' (`--link-mbit`), scenarios `uniform-net`, `slowlink` (fixed H) and `slowlink-window`.
+
+Per scenario: compute-idle fraction of the fast peers (median), tokens trained per fast and slow peer, the share of
+computed inner steps discarded, eval loss of the swarm's final global state (the peer holding the most work) on
+held-out batches, outer steps done, partial rounds, and the outer step at which the fast peers first saw the outlier
+flagged (peerd/timings.py). Medians over `--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.convergence import NETWORK, _peer_cmd, _wait_file, evaluate
+from peerd.config import RunConfig
+from peerd.demo import global_params, stop_processes, to_toml
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = 4
+SLOW = 3  # index of the slow peer (compute or link)
+
+
+@dataclass
+class Scenario:
+    name: str
+    peers: int
+    slow_env: dict[str, str] | None  # the slow peer's extra environment (compute family)
+    window_s: float = 0.0
+    late_work: str = "carry"
+    link_mbit: list[float] | None = None  # per-peer link rates (link family), None: loopback
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    fast_idle: float
+    tokens_fast: float
+    tokens_slow: float
+    discarded_share: float
+    eval_loss: float
+    outer_steps: int
+    partial_rounds: int
+    flagged_at_step: float | None  # median over fast peers; None: never flagged
+    false_flags: int  # peers flagged other than the slow one
+
+
+def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "run": {"name": "uneven", "algorithm": "diloco", "outer_steps": 100000, "seed": seed},
+        "model": {"preset": "tiny"},
+        "data": {"batch_size": args.batch_size, "eval_batches": 2},
+        "inner": {"steps": args.H, "warmup_steps": 10, "window_s": sc.window_s},
+        "outer": {"late_work": sc.late_work},
+        "network": dict(NETWORK),
+        "checkpoint": {"every": 1},
+    }
+    RunConfig.from_dict(raw)
+    return raw
+
+
+@contextlib.contextmanager
+def _net(sc: Scenario) -> Iterator[Any]:
+    if sc.link_mbit is None:
+        yield None
+        return
+    from bench.slowlink import SlowLinkNet
+
+    with SlowLinkNet(sc.peers, sc.link_mbit, down_rate_mbit=sc.link_mbit) as net:
+        yield net
+
+
+def run(args: argparse.Namespace, sc: Scenario, workdir: Path, seed: int) -> list[dict[str, Any]]:
+    """Start the swarm, let it train `--wall` seconds after every peer is up, stop it, return the summaries."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg_path = workdir / "run.toml"
+    cfg_path.write_text(to_toml(config(args, sc, seed)))
+    procs: list[subprocess.Popen] = []
+    with _net(sc) as net:
+        try:
+            boot = None
+            for i in range(sc.peers):
+                data = workdir / f"peer{i}"
+                data.mkdir(exist_ok=True)
+                listen = "127.0.0.1:0" if net is None else f"{net.address(i)}:7000"
+                cmd = _peer_cmd(cfg_path, data, listen, i, sc.peers, boot)
+                if net is not None:
+                    cmd += ["--announce", f"{net.address(i)}:7000"]
+                env = {**os.environ, "PYTHONPATH": str(REPO), **((sc.slow_env or {}) if i == SLOW else {})}
+                log = open(data / "log", "ab")  # noqa: SIM115 - the child owns it
+                kw = {"stdout": log, "stderr": subprocess.STDOUT, "env": env, "cwd": REPO}
+                procs.append(subprocess.Popen(cmd, **kw) if net is None else net.popen(i, cmd, **kw))
+                if i == 0:
+                    boot = _wait_file(data / "address", procs[0], 120)
+            for i, p in enumerate(procs):
+                _wait_file(workdir / f"peer{i}" / "address", p, 120)
+            time.sleep(args.wall)
+        finally:
+            stop_processes(procs)
+    out = []
+    for i in range(sc.peers):
+        try:
+            out.append(json.loads((workdir / f"peer{i}" / "summary.json").read_text()))
+        except (OSError, ValueError):
+            raise RuntimeError(f"{sc.name}: peer{i} left no summary (see {workdir}/peer{i}/log)") from None
+    return out
+
+
+def outcome(args: argparse.Namespace, sc: Scenario, workdir: Path, summaries: list[dict[str, Any]]) -> Outcome:
+    slow_in = sc.slow_env is not None or (sc.link_mbit is not None and len(set(sc.link_mbit)) > 1)
+    fast = [s for i, s in enumerate(summaries) if not (slow_in and i == SLOW)]
+    slow = summaries[SLOW] if slow_in and len(summaries) > SLOW else None
+
+    def idle(s: dict[str, Any]) -> float:
+        busy = s["compute_seconds"] + s["compute_idle_seconds"]
+        return s["compute_idle_seconds"] / busy if busy else 0.0
+
+    def tokens(s: dict[str, Any]) -> float:
+        return s["inner_step"] * s.get("tokens_per_step", 0)
+
+    best = max(range(len(summaries)), key=lambda i: (summaries[i]["work"], summaries[i]["outer_step"]))
+    state = global_params(workdir / f"peer{best}")
+    cfg = RunConfig.from_dict(config(args, sc, 0))
+    loss = evaluate(cfg, [state["params"]], args.eval_batches)[0] if state is not None else float("nan")
+    slow_id = slow["peer_id"] if slow is not None else None
+    flagged = [s["flagged_at_step"].get(slow_id) for s in fast if slow_id and slow_id in s["flagged_at_step"]]
+    false_flags = sum(1 for s in fast for pid in s["flagged_at_step"] if pid != slow_id)
+    computed = sum(s["inner_step"] for s in summaries)
+    return Outcome(
+        scenario=sc.name,
+        fast_idle=statistics.median(idle(s) for s in fast),
+        tokens_fast=statistics.median(tokens(s) for s in fast),
+        tokens_slow=tokens(slow) if slow is not None else 0.0,
+        discarded_share=sum(s.get("discarded_steps", 0) for s in summaries) / computed if computed else 0.0,
+        eval_loss=loss,
+        outer_steps=min(s["outer_step"] for s in summaries),
+        partial_rounds=sum(s["rounds_partial"] for s in summaries),
+        flagged_at_step=statistics.median(flagged) if len(flagged) * 2 > len(fast) else None,
+        false_flags=false_flags,
+    )
+
+
+def measure_step(args: argparse.Namespace, root: Path) -> float:
+    """The tiny model's inner step time with 4 peers sharing this machine (from a short uniform run)."""
+    probe = argparse.Namespace(**{**vars(args), "wall": 8.0})
+    sums = run(probe, Scenario("probe", PEERS, None), root / "probe", 0)
+    return statistics.median(s["compute_seconds"] / max(s["inner_step"], 1) for s in sums)
+
+
+def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
+    slow_env = {"PEERD_FAULT_STEP_DELAY_S": f"{2 * step_s:.4f}"}
+    window = args.H * step_s
+    out: list[Scenario] = []
+    if "compute" in args.family:
+        out += [
+            Scenario("uniform", PEERS, None),
+            Scenario("wait", PEERS, slow_env),
+            Scenario("drop", PEERS - 1, None),
+            Scenario("window", PEERS, slow_env, window_s=window),
+        ]
+        if not args.quick:
+            out.append(Scenario("window-discard", PEERS, slow_env, window_s=window, late_work="discard"))
+    if "link" in args.family:
+        fast, slow = args.link_mbit, args.link_mbit / 10
+        rates = [fast] * (PEERS - 1) + [slow]
+        out += [
+            Scenario("uniform-net", PEERS, None, link_mbit=[fast] * PEERS),
+            Scenario("slowlink", PEERS, None, link_mbit=rates),
+            Scenario("slowlink-window", PEERS, None, window_s=window, link_mbit=rates),
+        ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.uneven", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="30 s per scenario, compute family, one repeat")
+    ap.add_argument("--wall", type=float, default=60.0, help="seconds of training per scenario (equal wall time)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--family", default="compute,link", help="compute, link or both")
+    ap.add_argument("--H", type=int, default=20, help="inner steps per outer step (fixed-H scenarios)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--link-mbit", type=float, default=20.0, help="the fast links' rate; the slow one gets a tenth")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.wall, args.repeats, args.family = 30.0, 1, "compute"
+    args.family = {f.strip() for f in args.family.split(",") if f.strip()}
+    if "link" in args.family:
+        from bench.slowlink import available
+
+        ok, why = available()
+        if not ok:
+            print(f"link family skipped: {why}", file=sys.stderr)
+            args.family.discard("link")
+    root = Path(tempfile.mkdtemp(prefix="peerd-uneven-"))
+    step_s = measure_step(args, root)
+    print(f"inner step with {PEERS} peers on this machine: {step_s * 1e3:.1f} ms; slow peer +{2 * step_s * 1e3:.1f} "
+          f"ms per step; window {args.H * step_s:.2f} s; {args.wall:.0f} s per scenario", flush=True)  # fmt: skip
+    results: dict[str, list[Outcome]] = {}
+    for rep in range(args.repeats):
+        for sc in scenarios(args, step_s):
+            work = root / f"{sc.name}-{rep}"
+            res = outcome(args, sc, work, run(args, sc, work, seed=rep))
+            results.setdefault(sc.name, []).append(res)
+            print(f"  {sc.name:<16} eval {res.eval_loss:.4f}  idle(fast) {res.fast_idle:.1%}  steps {res.outer_steps}"
+                  f"  discarded {res.discarded_share:.1%}  flagged@{res.flagged_at_step}", flush=True)  # fmt: skip
+    rows = []
+    for name, outs in results.items():
+        row = {"scenario": name}
+        for key in asdict(outs[0]):
+            if key == "scenario":
+                continue
+            vals = [getattr(o, key) for o in outs]
+            nums = [v for v in vals if v is not None]
+            row[key] = statistics.median(nums) if nums else None
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"step_s": step_s, "wall_s": args.wall, "repeats": args.repeats, "rows": rows}, indent=2))
+    else:
+        print(f"\n{'scenario':<16} {'eval loss':>9} {'idle fast':>9} {'tok fast':>9} {'tok slow':>9} "
+              f"{'discard':>7} {'steps':>5} {'partial':>7} {'flag@':>5} {'false':>5}")  # fmt: skip
+        for r in rows:
+            flag = "-" if r["flagged_at_step"] is None else f"{r['flagged_at_step']:.0f}"
+            print(f"{r['scenario']:<16} {r['eval_loss']:>9.4f} {r['fast_idle']:>9.1%} {r['tokens_fast']:>9.0f} "
+                  f"{r['tokens_slow']:>9.0f} {r['discarded_share']:>7.1%} {r['outer_steps']:>5.0f} "
+                  f"{r['partial_rounds']:>7.0f} {flag:>5} {r['false_flags']:>5.0f}")  # fmt: skip
+        by = {r["scenario"]: r for r in rows}
+        if {"wait", "drop", "window"} <= set(by):
+            best = min(by["wait"]["eval_loss"], by["drop"]["eval_loss"])
+            print(f"\ngoals: fast peers idle <= 5% in 'window': {by['window']['fast_idle']:.1%}; discarded 0%: "
+                  f"{by['window']['discarded_share']:.1%}; eval loss <= best of wait/drop ({best:.4f}): "
+                  f"{by['window']['eval_loss']:.4f}; flagged within 3 outer steps in 'wait': "
+                  f"{by['wait']['flagged_at_step']}; false flags in 'uniform': "
+                  f"{by['uniform']['false_flags']:.0f}")  # fmt: skip
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
