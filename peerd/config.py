@@ -75,7 +75,7 @@ class InnerSection:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     total_steps: int = 0  # >0: cosine decay of the inner lr to 10% at this inner step; 0: constant after warmup
-    # DiLoCo: >0 trains for this many wall-clock seconds per outer step (as many inner steps as fit, at least one)
+    # DiLoCo/Streaming: >0 trains this many wall-clock seconds per outer step (as many inner steps as fit, >= one)
     # instead of exactly `steps`, so fast peers never wait for slow ones; rounds weight contributions by their tokens
     window_s: float = 0.0
     # re-warmup when the weights jump: a run started with --init-from warms up over this many steps (instead of
@@ -265,9 +265,9 @@ class RunConfig:
             raise ConfigError(
                 f"inner.window_s must be >= 0 seconds (0: exactly inner.steps), got {self.inner.window_s}"
             )
-        if self.inner.window_s > 0 and self.run.algorithm != "diloco":
+        if self.inner.window_s > 0 and self.run.algorithm not in ("diloco", "streaming"):
             raise ConfigError(
-                f"inner.window_s works with run.algorithm = 'diloco' only so far, not {self.run.algorithm!r}: "
+                f"inner.window_s works with run.algorithm = 'diloco' or 'streaming', not {self.run.algorithm!r}: "
                 f"set inner.window_s = 0"
             )
         if self.outer.late_work not in ("carry", "discard"):
@@ -450,7 +450,7 @@ warmup_steps = 20
 weight_decay = 0.1
 grad_clip = 1.0
 total_steps = 0           # >0: cosine-decay the inner lr to 10% by this inner step (part of the spec); 0: constant
-window_s = 0.0            # diloco: >0 = train this many seconds per outer step (steps sized to speed, token-weighted)
+window_s = 0.0            # diloco/streaming: >0 = train this many seconds per outer step (steps sized to speed)
 rewarm_steps = "auto"     # warmup after --init-from, and after adopting a state 2+ outer steps ahead (fresh AdamW
                           # moments); "auto" = warmup_steps, 0 = never
 

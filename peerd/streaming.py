@@ -119,7 +119,13 @@ class StreamingDiLoCo(OuterAlgorithm):
         # fragment's contribution is added to that fragment's next one.
         self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
         self.pending: dict[int, Exchange] = {}
-        self.s = 0  # inner steps completed, in the swarm's timeline
+        self.s = 0  # inner steps completed, in the swarm's timeline (virtual ticks with inner.window_s)
+        # inner.window_s: the schedule runs on a wall clock, H ticks per window, so a slow peer's fragments sync when
+        # everyone else's do (it takes fewer inner steps between them) and rounds weigh each fragment's
+        # contribution by the tokens behind it. 0: one tick per inner step, as in the paper.
+        self.tick_s = cfg.inner.window_s / self.H if cfg.inner.window_s > 0 else 0.0
+        self._anchor = (time.monotonic(), 0)  # (when, s): where the wall clock of the current cycle started
+        self.steps_since: dict[int, int] = {}  # fragment -> our inner steps since its last sync started
         self.needs_resync = False
         self._reloaded = False  # state replaced from outside (checkpoint resume, joiner download)
         if self.fault_delay:
@@ -148,6 +154,25 @@ class StreamingDiLoCo(OuterAlgorithm):
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
         if self._reloaded:
             self._reposition(trainer)
+        for p in range(len(self.state.fragments)):
+            self.steps_since[p] = self.steps_since.get(p, 0) + 1
+        if not self.tick_s:
+            return self._tick(trainer)
+        # Windowed: catch the schedule up with the wall clock, one tick at a time, stopping at a cycle boundary.
+        when, s0 = self._anchor
+        target = s0 + int((time.monotonic() - when) / self.tick_s)
+        boundary = (self.s // self.H + 1) * self.H
+        done = None
+        while self.s < min(target, boundary) and done is None:
+            done = self._tick(trainer)
+        if done is None:
+            for ex in list(self.pending.values()):  # between ticks: still apply results that landed
+                if not ex.resolved and ex.landed():
+                    self._resolve(ex)
+        return done
+
+    def _tick(self, trainer: Trainer) -> StepDone | None:
+        """One step of the schedule: apply landed rounds, merge what is due, finish a cycle, start due syncs."""
         self.s += 1
         s = self.s
         self.step_timer.tick(counted=(s - 1) % self.H != 0)  # the step after a boundary also timed evaluation
@@ -179,6 +204,8 @@ class StreamingDiLoCo(OuterAlgorithm):
         final = boundary and self.target > 0 and step >= self.target
         if not final:  # the last cycle starts no exchange: nobody would apply it
             self._start_due(trainer, self.s)
+        if boundary:
+            self._anchor = (time.monotonic(), self.s)  # the next cycle's clock starts after the boundary's waits
         return StepDone(step, self.last_result, published=True) if boundary else None
 
     def _finish_cycle(self, trainer: Trainer, s: int) -> None:
@@ -229,7 +256,11 @@ class StreamingDiLoCo(OuterAlgorithm):
                 pseudo = self.feedback.compensate(f"fragment{p}", pseudo.cpu())
             step = self.schedule.round_step(s, p)
             record = SyncRecord(fragment=p, step=step, s=s, t_start=time.time())
-            future = trainer.swarm.allreduce_async(step, pseudo, fragment=p, want_decoded=self.feedback is not None)
+            tokens = self.steps_since.get(p, 0) * trainer.tokens_per_step
+            self.steps_since[p] = 0
+            future = trainer.swarm.allreduce_async(
+                step, pseudo, fragment=p, want_decoded=self.feedback is not None, tokens=tokens
+            )
             future.add_done_callback(lambda f, step=step: self._note_members(trainer.swarm, step, f))
 
             ready_at = time.monotonic() + self.fault_delay
@@ -308,7 +339,7 @@ class StreamingDiLoCo(OuterAlgorithm):
             return
         took = rec.t_end - rec.t_start
         self._round_s = took if math.isnan(self._round_s) else 0.7 * self._round_s + 0.3 * took
-        step_s = self.step_timer.seconds
+        step_s = self.tick_s or self.step_timer.seconds  # tau counts schedule ticks
         if not (step_s > 0 and math.isfinite(self._round_s)):
             return
         tau = min(max(math.ceil(1.25 * self._round_s / step_s), 1), self.tau_max)
@@ -376,6 +407,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         self._reloaded = False
         self.needs_resync = False
         self.s = snap.step * self.H
+        self._anchor = (time.monotonic(), self.s)
         self.stats.resyncs += 1
         # Publish before the rounds due at this boundary start: they are grouped by the digest we publish (the
         # lineage), and the old one would put us in a group of our own.
@@ -391,6 +423,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         """
         self._reloaded = False
         self.s = trainer.outer_step * self.H
+        self._anchor = (time.monotonic(), self.s)
         if self.s > 0 and self.schedule.due(self.s):
             self.needs_resync = True
 

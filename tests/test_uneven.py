@@ -95,3 +95,32 @@ def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path
         late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
         assert late and all(slow_id in r["included"] and r["no_shards"] == [slow_id] for r in late), s["rounds"]
     assert "this peer flagged slow by most of the swarm" in swarm.peers[3].log()
+
+
+def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> None:
+    """Streaming DiLoCo with inner.window_s: the fragment schedule ticks on the wall clock, so the slow peer's
+    fragments sync with everyone else's although it takes far fewer inner steps, weighted by its tokens."""
+    cfg = tiny_config(
+        tmp_path, run__algorithm="streaming", run__outer_steps=3, inner__steps=8, inner__window_s=1.6,
+        streaming__fragments=2, streaming__tau=2,
+    )  # fmt: skip
+    swarm = Swarm(tmp_path, 3, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=3))
+        boot = swarm.boot_address(0)
+        swarm.peers.append(swarm.spawn(1, boot, wait_peers=3))
+        swarm.peers.append(swarm.spawn(2, boot, wait_peers=3, env=SLOW))
+        for p in swarm.peers:
+            p.wait_file("address")
+        swarm.wait_exit(180)
+    finally:
+        swarm.stop()
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[2]["peer_id"]
+    assert summaries[2]["inner_step"] < 0.7 * min(s["inner_step"] for s in summaries[:2]), summaries
+    weighted = [r for r in summaries[0]["rounds"] if len(r["included"]) == 3 and r["tokens"]]
+    assert len(weighted) >= 3, summaries[0]["rounds"]
+    for r in weighted:
+        tokens = dict(zip(r["included"], r["tokens"], strict=True))
+        assert 0 < tokens[slow_id] < 0.7 * min(t for pid, t in tokens.items() if pid != slow_id), r
