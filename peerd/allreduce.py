@@ -139,6 +139,8 @@ class ReduceRound:
         no_shards = set(group.no_shards)
         self.created = time.perf_counter()
         self.arrival_s: dict[str, float] = {}  # member -> seconds after this round began that its contribution arrived
+        self.stream_s: dict[str, tuple[float, int]] = {}  # member -> (seconds its contribution stream took, bytes)
+        self.reply_s: dict[str, float] = {}  # owner -> seconds after this round began that its averaged shard arrived
         self.owners = [
             i for i, m in enumerate(group.members) if not m.outbound_only and m.peer_id not in no_shards
         ]  # none: run() refuses
@@ -233,9 +235,12 @@ class ReduceRound:
     ) -> AsyncIterator[pb.TensorMessage]:
         """Server side of one Reduce stream (whose header the service already verified as `sender`'s): take the
         member's contribution, then reply with the averaged shard."""
+        t_first = time.perf_counter()  # the service read the header just before calling us
         rx = await read_tensor(messages, verifier, self._max_wire_async, verified_sender=sender)
         if rx.header.round_id != self.group.round_id:
             raise StreamError("wrong_round", "contribution names another round")
+        # C4-style timing: how fast this member's stream moved (its uplink, or the path to us)
+        self.stream_s[rx.sender] = (time.perf_counter() - t_first, len(rx.payload))
         try:
             await self.add_contribution(rx.sender, rx.payload)
         except CodecError as exc:  # a member's frame does not decode: the round cannot complete with it
@@ -385,8 +390,18 @@ class ReduceRound:
         call = stub.Reduce(  # type: ignore[attr-defined]
             tensor_messages(header, payload, self.identity, self.run_id, self.chunk_bytes), timeout=remaining
         )
+        first: list[float] = []
+
+        async def timed(messages: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]:
+            async for msg in messages:
+                first.append(first[0] if first else time.perf_counter())
+                yield msg
+
         try:
-            rx = await read_tensor(call.__aiter__(), verifier, self.codec.max_encoded_size(self.shard_numel(j)))
+            rx = await read_tensor(timed(call.__aiter__()), verifier, self.codec.max_encoded_size(self.shard_numel(j)))
+            if first:  # C4-style timing: how fast this owner's averaged shard streamed back to us, and how late
+                self.stream_s.setdefault(member.peer_id, (time.perf_counter() - first[0], len(rx.payload)))
+            self.reply_s[member.peer_id] = time.perf_counter() - self.created
         except StreamError as exc:
             if exc.sender == member.peer_id:
                 self._invalid(member.peer_id, exc.reason)

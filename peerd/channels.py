@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
-from peerd import tls
+from peerd import faults, tls
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -107,10 +107,17 @@ class Channels:
         ch = self._channels.get(key)
         if ch is None:
             if self.own is None:
-                ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                ch = grpc.aio.insecure_channel(
+                    address, options=CHANNEL_OPTIONS, interceptors=faults.uplink_client_interceptors()
+                )
             elif cert:
                 opts = CHANNEL_OPTIONS + tls.channel_options(pid)
-                ch = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
+                ch = grpc.aio.secure_channel(
+                    address,
+                    tls.channel_credentials(cert),
+                    options=opts,
+                    interceptors=faults.uplink_client_interceptors(),
+                )
             else:  # refuse locally: a socket nobody listens on. Dialing the address with a trust root that cannot
                 # match also fails, but makes gRPC's C core log "Handshake failed ... self signed certificate" on
                 # every try. Still TLS with an unmatchable name, in case something does listen there.

@@ -182,7 +182,11 @@ class Daemon:
             # No SO_REUSEPORT: with it a second daemon on a busy port binds too and takes half the calls.
             options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=1024,
-            interceptors=[*faults.inbound_blockers(), self.limits.interceptor(self.count_rejected)],
+            interceptors=[
+                *faults.inbound_blockers(),
+                *faults.uplink_server_interceptors(),
+                self.limits.interceptor(self.count_rejected),
+            ],
         )
         from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -237,7 +241,9 @@ class Daemon:
             self.run_id,
             self.cfg.network.rendezvous_timeout,
             lambda: self.status.outer_step,
-            # a quarter window (at least 1 s): covers a slow peer's last inner step, not a peer that stalls
+            # a quarter window (at least 1 s): covers a slow peer's last inner step. Shorter graces (5%) made a
+            # straggler miss round after round: its next window starts when it adopted the swarm's state, later
+            # than everyone else's, so it was late again (see README "Slow and uneven peers", known limits)
             straggler_grace_s=min(max(1.0, 0.25 * window), self.cfg.network.rendezvous_timeout) if window else 0.0,
             flagged=self.timing.is_flagged,
         )

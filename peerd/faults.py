@@ -6,11 +6,13 @@ normal run. Keep every injector here, so a reader sees in one place how a daemon
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sized
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sized
 from typing import Any, TypeVar
 
 import grpc
@@ -146,3 +148,102 @@ def exchange_delay_s(environ: Mapping[str, str] | None = None) -> float:
     if not math.isfinite(value) or not 0.0 <= value <= 3600.0:
         raise ValueError(f"{EXCHANGE_DELAY_ENV} must be in [0, 3600] seconds, got {raw!r}")
     return value
+
+
+# Shape this peer's upload to this many Mbit/s: every stream it sends (round contributions, averaged shards, NoLoCo
+# exchanges, relayed calls, state it serves) is paced through one token bucket, so they share the rate like flows on
+# one uplink. A slow link without root or tc (tests in network namespaces shape real links with tbf instead).
+UPLINK_MBIT_ENV = "PEERD_FAULT_UPLINK_MBIT"
+
+
+def uplink_mbit(environ: Mapping[str, str] | None = None) -> float:
+    """Mbit/s from PEERD_FAULT_UPLINK_MBIT (0 when unset or not a positive finite number)."""
+    raw = (os.environ if environ is None else environ).get(UPLINK_MBIT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0.0 < value < math.inf else 0.0
+
+
+class Uplink:
+    """One token bucket for the process: a message of n bytes leaves n / rate seconds after the previous one."""
+
+    def __init__(self, mbit: float) -> None:
+        self.bytes_per_s = mbit * 1e6 / 8
+        self._free_at = 0.0
+
+    async def take(self, n: int) -> None:
+        now = time.monotonic()
+        self._free_at = max(now, self._free_at) + n / self.bytes_per_s
+        await asyncio.sleep(self._free_at - now)
+
+    async def pace(self, messages: Any) -> AsyncIterator[Any]:
+        """Yield `messages` (a sync or async iterator) no faster than the uplink allows."""
+        if hasattr(messages, "__aiter__"):
+            async for msg in messages:
+                await self.take(msg.ByteSize())
+                yield msg
+        else:
+            for msg in messages:
+                await self.take(msg.ByteSize())
+                yield msg
+
+
+class _PaceClient(grpc.aio.StreamStreamClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, uplink: Uplink) -> None:
+        self.uplink = uplink
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(details, self.uplink.pace(request_iterator))
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(details, self.uplink.pace(request_iterator))
+
+
+class _PaceServer(grpc.aio.ServerInterceptor):
+    """Paces the responses of streaming RPCs this peer serves (averaged shards, exchanges, state downloads)."""
+
+    def __init__(self, uplink: Uplink) -> None:
+        self.uplink = uplink
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        uplink = self.uplink
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+                async for msg in uplink.pace(inner_ss(request_iterator, context)):
+                    yield msg
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            async for msg in uplink.pace(inner_us(request, context)):
+                yield msg
+
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, handler.request_deserializer, handler.response_serializer
+        )
+
+
+_UPLINK = Uplink(uplink_mbit()) if uplink_mbit() else None
+
+
+def uplink_client_interceptors() -> list[Any]:
+    """Client interceptors of the PEERD_FAULT_UPLINK_MBIT injector (none unless on)."""
+    return [_PaceClient(_UPLINK)] if _UPLINK is not None else []
+
+
+def uplink_server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """Server interceptors of the PEERD_FAULT_UPLINK_MBIT injector (none unless on)."""
+    if _UPLINK is None:
+        return []
+    logging.getLogger("peerd").warning("fault injection: upload shaped to %.3g Mbit/s", uplink_mbit())
+    return [_PaceServer(_UPLINK)]

@@ -310,20 +310,39 @@ class RoundClient:
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, [m.peer_id for m in group.members])
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
-            self.observe_timings(group, rnd.arrival_s)
+            self.observe_timings(group, rnd.arrival_s, rnd.stream_s, rnd.reply_s)
             self.no_lead = set(group.no_shards)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")
 
-    def observe_timings(self, group: pb.Group, arrival_s: dict[str, float]) -> None:
+    def observe_timings(
+        self,
+        group: pb.Group,
+        arrival_s: dict[str, float],
+        stream_s: dict[str, tuple[float, int]] | None = None,
+        reply_s: dict[str, float] | None = None,
+    ) -> None:
         """Feed one completed round's per-member timings to peerd/timings.py: how late each member joined (the
-        leader's lag) plus, for shards we own, how late its contribution arrived; and the tokens behind it."""
+        leader's lag) plus, for shards we own, how late its contribution arrived and how fast its stream moved; and
+        the tokens behind it."""
         ids = [m.peer_id for m in group.members]
         lags = list(group.join_lag_ms) if len(group.join_lag_ms) == len(ids) else [0] * len(ids)
-        lag_s = {pid: ms / 1000.0 + arrival_s.get(pid, 0.0) for pid, ms in zip(ids, lags, strict=True)}
+        # Measures judged apart: joining late (slow compute, or a previous round that ended late for it), its
+        # contribution reaching our shard late, its averaged shard reaching us late (a slow uplink). Summed, a slow
+        # owner hid behind the others, who join late because its averaged shard reached them late.
+        lag_s = {pid: ms / 1000.0 for pid, ms in zip(ids, lags, strict=True)}
         tokens = dict(zip(ids, group.tokens, strict=True)) if len(group.tokens) == len(ids) else None
         timing = self.d.timing.local
-        timing.round(lag_s=lag_s, tokens=tokens)
+        streams = stream_s or {}
+        throughput = {pid: n / max(sec, 1e-6) for pid, (sec, n) in streams.items()}
+        timing.round(
+            lag_s=lag_s,
+            tokens=tokens,
+            throughput=throughput,
+            stream_s={p: v[0] for p, v in streams.items()},
+            delivery_s=dict(arrival_s),
+            reply_s=dict(reply_s or {}),
+        )
         timing.succeeded(ids)
         me = self.d.identity.peer_id
         if tokens and len(tokens) >= 3:
@@ -333,7 +352,7 @@ class RoundClient:
                 if tokens[me] * timing.ratio < others[len(others) // 2]
                 else ""
             )
-        if not self.self_evidence and len(ids) >= 3:
+        if not self.self_evidence and len(ids) >= 3:  # compute: we join the rounds last
             mine, rest = lag_s[me], sorted(v for pid, v in lag_s.items() if pid != me)
             if mine > 0.5 and mine > timing.lag_ratio * rest[len(rest) // 2]:
                 self.self_evidence = f"your contribution comes last: {mine:.1f} s after the others' median"

@@ -51,6 +51,7 @@ class PeerStats:
     slow: bool = False
     faulty: bool = False
     why: str = ""
+    kind: str = ""  # which measure flagged it: a round without that measure neither confirms nor lifts the verdict
 
     def median(self, name: str) -> float:
         values = getattr(self, name)
@@ -90,18 +91,37 @@ class PeerTimings:
         lag_s: Mapping[str, float] | None = None,
         throughput: Mapping[str, float] | None = None,
         tokens: Mapping[str, int] | None = None,
+        stream_s: Mapping[str, float] | None = None,
+        delivery_s: Mapping[str, float] | None = None,
+        reply_s: Mapping[str, float] | None = None,
     ) -> list[str]:
-        """One completed round's per-member measures (any subset): how late each member's contribution was, the
-        throughput of its stream to us, the tokens behind it. Judges each member against the round's median.
+        """One completed round's per-member measures (any subset): how late each member joined (`lag_s`), how late
+        its contribution reached our shard (`delivery_s`) and its averaged shard reached us (`reply_s`), the
+        throughput of its stream to us (and how long that stream took: throughput outliers count only for streams
+        longer than LAG_FLOOR_S), the tokens behind it. Judges each member against the round's median.
         Returns the peers newly flagged slow."""
-        judged: dict[str, str] = {}
+        judged: dict[str, tuple[str, str]] = {}  # pid -> (kind of measure, why)
         for pid, why in self._outliers(lag_s or {}, high=True, floor=LAG_FLOOR_S, what="late").items():
-            judged[pid] = why
+            judged[pid] = ("late", why)
+        for pid, why in self._outliers(delivery_s or {}, high=True, floor=LAG_FLOOR_S, what="delivered").items():
+            judged.setdefault(pid, ("delivered", why))
+        for pid, why in self._outliers(reply_s or {}, high=True, floor=LAG_FLOOR_S, what="replied").items():
+            judged.setdefault(pid, ("replied", why))
         for pid, why in self._outliers(throughput or {}, high=False, floor=0.0, what="throughput").items():
-            judged.setdefault(pid, why)
+            # a slow stream matters (and is told apart from scheduling jitter) only when it took a while
+            if (stream_s or {}).get(pid, LAG_FLOOR_S + 1) > LAG_FLOOR_S:
+                judged.setdefault(pid, ("throughput", why))
         for pid, why in self._outliers({k: float(v) for k, v in (tokens or {}).items()}, False, 0.0, "tokens").items():
-            judged.setdefault(pid, why)
-        members = set(lag_s or {}) | set(throughput or {}) | set(tokens or {})
+            judged.setdefault(pid, ("tokens", why))
+        measured = {
+            "late": set(lag_s or {}),
+            "delivered": set(delivery_s or {}),
+            "replied": set(reply_s or {}),
+            "throughput": set(throughput or {}),
+            "tokens": set(tokens or {}),
+        }
+        members = set(lag_s or {}) | set(delivery_s or {}) | set(reply_s or {}) | set(throughput or {})
+        members |= set(tokens or {})
         for pid, value in (lag_s or {}).items():
             self.stats(pid).lag.append(value)
         for pid, value in (throughput or {}).items():
@@ -114,13 +134,16 @@ class PeerTimings:
             if pid in judged:
                 st.outliers, st.normal = st.outliers + 1, 0
                 if not st.slow and st.outliers >= self.confirm:
-                    st.slow, st.why = True, judged[pid]
+                    st.kind, st.why = judged[pid]
+                    st.slow = True
                     self.flag_events += 1
                     flagged.append(pid)
+            elif st.slow and pid not in measured.get(st.kind, set()):
+                continue  # no evidence either way this round (a flagged owner sends no shard we could time)
             else:
                 st.outliers, st.normal = 0, st.normal + 1
                 if st.slow and st.normal >= self.recover:
-                    st.slow, st.why = False, ""
+                    st.slow, st.why, st.kind = False, "", ""
         return flagged
 
     def _outliers(self, values: Mapping[str, float], high: bool, floor: float, what: str) -> dict[str, str]:

@@ -124,3 +124,28 @@ def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> No
     for r in weighted:
         tokens = dict(zip(r["included"], r["tokens"], strict=True))
         assert 0 < tokens[slow_id] < 0.7 * min(t for pid, t in tokens.items() if pid != slow_id), r
+
+
+def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) -> None:
+    """PEERD_FAULT_UPLINK_MBIT (no root needed): one peer's upload paced to a few Mbit/s on loopback makes every
+    round wait for its bytes; the others flag it slow, and it stops owning a shard."""
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    swarm = Swarm(tmp_path, 4, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
+        boot = swarm.boot_address(0)
+        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
+        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
+        for p in swarm.peers:
+            p.wait_file("address")
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[3]["peer_id"]
+    assert "upload shaped to 2 Mbit/s" in swarm.peers[3].log()
+    for s in summaries[:3]:
+        assert slow_id in s["flagged_at_step"] and s["flagged_at_step"][slow_id] <= 3, s["flagged_at_step"]
+        late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
+        assert late and all(r["no_shards"] == [slow_id] for r in late), s["rounds"]
