@@ -94,6 +94,9 @@ class OuterAlgorithm(ABC):
     # Peer-rounds behind the global state: each applied round adds its number of included peers. Part of the state
     # (digested, checkpointed, downloaded), and the weight of the split-brain rule (peerd/consistency.py).
     work: int = 0
+    # True for algorithms whose peers train models of their own by design (ensembles): the worker then never adopts
+    # another peer's state, at start, in a heal or while lingering.
+    independent: bool = False
 
     @abstractmethod
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:

@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("init", help="write a commented run config with defaults")
     p.add_argument("path", help="where to write it, e.g. run.toml")
 
+    p = sub.add_parser(
+        "ensemble-eval", help="per-domain perplexity of domain experts, their mixture, and a same-compute baseline"
+    )
+    from peerd.ensemble_eval import add_arguments
+
+    add_arguments(p)
+
     p = sub.add_parser("start", help="run one peer in the foreground until SIGINT/SIGTERM")
     p.add_argument("--config", required=True, help="run config (see `peerd init`)")
     p.add_argument("--listen", default="0.0.0.0:7000", help="gRPC listen address (port 0 picks a free one)")
@@ -125,6 +132,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "start":
         return _start(args)
+    if args.command == "ensemble-eval":
+        from peerd.ensemble_eval import run as ensemble_eval
+
+        return ensemble_eval(args)
     if args.command == "status":
         from peerd.status import print_status
 

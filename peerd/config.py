@@ -25,7 +25,7 @@ else:  # pragma: no cover
 # The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
 # different revisions never meet in one run; the Join refusal names the field "protocol".
 PROTOCOL = 2
-ALGORITHMS = ("diloco", "streaming", "noloco", "ddp")  # ddp: every-step gradient all-reduce baseline
+ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
 SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positions fit 16-bit indices
@@ -61,6 +61,7 @@ class ModelSection:
 class DataSection:
     path: str = ""  # directory of text files or a uint16 token file; empty = the Python standard library sources
     factory: str = ""  # "package.module:factory" returning (train, eval) data objects instead of the built-in reader
+    domain: str = ""  # ensembles: the name of this expert's data domain (reported by `peerd ensemble-eval`)
     tokenizer: str = ""  # a tokenizers tokenizer.json: text becomes its uint16 ids, not bytes (trainer/tokenize.py)
     batch_size: int = 8
     num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
@@ -368,8 +369,16 @@ class RunConfig:
         ):  # new keys at their defaults stay out, so existing runs keep their run ids
             if spec[section][key] == default:
                 del spec[section][key]
+        if spec["data"]["domain"] == "":
+            del spec["data"]["domain"]
         if self.file_digests:
             spec["files"] = dict(sorted(self.file_digests.items()))
+        if self.run.algorithm == "ensemble":
+            # Experts differ by design: model, data, inner steps and the exchange settings are each expert's own.
+            # What they share is the run (name, seed, algorithm) and who may join it (admission, robust).
+            for section in ("model", "data", "inner", "outer", "noloco", "streaming", "codec"):
+                del spec[section]
+            spec.pop("files", None)
         spec["protocol"] = PROTOCOL
         return spec
 
@@ -424,7 +433,7 @@ TEMPLATE = """\
 
 [run]
 name = "peerd-run"
-algorithm = "diloco"      # diloco | streaming | noloco | ddp (every-step all-reduce baseline)
+algorithm = "diloco"      # diloco | streaming | noloco | ddp (every-step all-reduce baseline) | ensemble
 seed = 0                  # all peers start from the same weights built from this seed
 outer_steps = 0           # this peer stops after this many outer steps (0 = run until stopped); local
 init_digest = ""          # sha256 of the weights file every peer starts from; `peerd start --init-from FILE` fills it

@@ -109,6 +109,8 @@ def format_status(st: pb.StatusResponse) -> str:
         f"state      {st.work} peer-rounds of work; adopted another peer's state {st.state_downloads} times "
         f"({st.forks_healed} after a split)",
     ]
+    if st.algorithm == "ensemble":
+        lines.append("ensemble   an independent expert on its own data: no parameter exchange, by design")
     if st.alone_since:
         lines.append(f"ALONE      training alone: no reachable peers since {st.alone_since}")
     if st.rejected_contributions or st.banned:

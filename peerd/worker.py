@@ -7,6 +7,7 @@ if there is one; catch up with the swarm if it is ahead; then train until told t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from peerd.config import RunConfig
 from peerd.daemon import Daemon
 from peerd.ddp import DataParallel
 from peerd.diloco import DiLoCo
+from peerd.ensemble import Ensemble
 from peerd.noloco import NoLoCo
 from peerd.statesync import StateSnapshot
 from peerd.streaming import StreamingDiLoCo
@@ -93,6 +95,7 @@ ALGORITHMS: dict[str, Callable[[Trainer], OuterAlgorithm]] = {
     "streaming": StreamingDiLoCo,
     "noloco": NoLoCo,
     "ddp": DataParallel,
+    "ensemble": Ensemble,
 }
 
 
@@ -138,6 +141,7 @@ class Worker:
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
         self.tokens_per_step = cfg.data.batch_size * self.seq_len
+        self.domain = cfg.data.domain or cfg.data.path or "stdlib"  # ensembles: this expert's data domain
         vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 256) or 256)
         self.train_data, self.eval_data = build_run_data(cfg, self.seq_len, vocab, cache_dir=self.data_dir)
         # Any number of peers may train: `slot` (--shard, or derived from the peer id) picks data shard
@@ -253,6 +257,9 @@ class Worker:
     def catch_up(self) -> None:
         """At start (fresh, resumed or restarted): adopt the newest canonical state any live peer announced, and say
         so when there is none, rather than train alone in silence."""
+        if self.algorithm.independent:
+            log.info("ensemble expert (domain %r): trains on its own by design, no parameter exchange", self.domain)
+            return
         if self.ranked:
             if self.heal():
                 return
@@ -280,6 +287,8 @@ class Worker:
         self.publish(finished=True)
         # Nobody can dial an outbound-only peer, so it cannot serve its state to anyone: one last split-brain check
         # (a better state is adopted), then it is done.
+        if self.algorithm.independent:  # nobody needs our state, and we need nobody's
+            return False
         linger = 0.0 if self.daemon.me.outbound_only else self.cfg.network.linger
         deadline = time.monotonic() + linger
         if not linger and self.heal() and self.outer_step < self.cfg.run.outer_steps:
@@ -413,6 +422,8 @@ class Worker:
         st = self.daemon.status
         summary = {
             "peer_id": self.daemon.identity.peer_id,
+            "algorithm": self.cfg.run.algorithm,
+            "domain": self.domain,
             "outer_step": self.outer_step,
             "inner_step": self.inner_step,
             "history": self.history,
@@ -478,6 +489,9 @@ class Worker:
             "inner_opt": self.opt.state_dict(),
             "sched": self.sched.state_dict(),
             "history": self.history,
+            # what `peerd ensemble-eval` needs to rebuild this model and name its domain (plain values only)
+            "model_config": dataclasses.asdict(self.cfg.model),
+            "data_config": {"domain": self.domain, "tokenizer": self.cfg.data.tokenizer},
         }
         try:
             save_checkpoint(self.data_dir / CHECKPOINT, state)
