@@ -148,6 +148,57 @@ def noloco_step(
     phi.add_(m)
 
 
+def noloco_mix(delta: Tensor, offset: Tensor, *, beta: float = 0.7, gamma: float = 0.7) -> Tensor:
+    """The one tensor a NoLoCo member sends without send-ahead: ``beta * delta + gamma * offset``, where ``offset``
+    is ``phi - phi_ref``. It is all a partner's update needs of (delta, phi), see :func:`noloco_mix_step`."""
+    _check_flat("delta", delta)
+    _check_same(delta, offset=offset)
+    mix = delta * float(beta)
+    mix.add_(offset * float(gamma))
+    return mix
+
+
+def noloco_mix_step(
+    phi: Tensor,
+    m: Tensor,
+    own_delta: Tensor,
+    own_offset: Tensor,
+    partner_mixes: list[Tensor],
+    *,
+    alpha: float = 0.5,
+    beta: float = 0.7,
+    gamma: float = 0.7,
+) -> Tensor:
+    """:func:`noloco_step` from the partners' :func:`noloco_mix` tensors instead of their (delta, phi), in place;
+    returns the group term added to ``alpha * m``.
+
+    With ``n`` members, ``d_j = phi_j - phi_ref`` and ``mix_j = beta * delta_j + gamma * d_j``::
+
+        beta * mean(delta) + gamma * (mean(phi) - phi_i)
+          = (beta * delta_i + sum_{j != i} (mix_j - gamma * d_i)) / n
+
+    equal in exact arithmetic; in fp32 it differs by a few roundings (mix is rounded once more, and sums are
+    grouped differently). Alone (no partner) the result is bit-identical to noloco_step's: ``beta * delta_i``.
+    """
+    _check_flat("phi", phi)
+    _check_same(phi, m=m, own_delta=own_delta, own_offset=own_offset)
+    for j, mix in enumerate(partner_mixes):
+        _check_same(phi, **{f"partner_mixes[{j}]": mix})
+    _check_finite(own_delta=own_delta, own_offset=own_offset)
+    _check_finite(**{f"partner_mixes[{j}]": mix for j, mix in enumerate(partner_mixes)})
+    term = own_delta * float(beta)
+    if partner_mixes:
+        pull = own_offset * float(gamma)
+        for mix in partner_mixes:
+            term.add_(mix)
+            term.sub_(pull)
+        term.div_(float(len(partner_mixes) + 1))
+    m.mul_(float(alpha))
+    m.add_(term)
+    phi.add_(m)
+    return term
+
+
 def streaming_merge(local: Tensor, new_global: Tensor, alpha: float = 0.5) -> None:
     """Streaming DiLoCo merge, in place: ``local <- alpha * local + (1 - alpha) * new_global``.
 
