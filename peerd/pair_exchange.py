@@ -4,8 +4,8 @@ The exchange (``Rounds.Exchange``, one bidirectional stream per proposer/accepte
 tensors by kind ("phi" first, then "pair"; without send-ahead the single combination "mix"), each encoded with
 the run's codec and framed by ``peerd.streams`` (signed header, chunks, signed trailer). The proposer sends its own
 tensors, the accepter sends its own back on the same stream, and in groups larger than two the proposer relays
-every other member's encoded bytes unchanged, so all members decode the same bytes for each contribution. The two directions are independent: a peer may send its
-"phi" long before its "pair" (send-ahead).
+every other member's encoded bytes unchanged, so all members decode the same bytes for each contribution. The two
+directions are independent: a peer may send its "phi" long before its "pair" (send-ahead).
 
 A `Session` is one group, from the proposal until every contribution settled (arrived complete, or lost); the
 `Exchange` keeps this peer's sessions, runs their streams, stores what arrives and retires groups once done. This
