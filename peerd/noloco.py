@@ -28,10 +28,11 @@ and streams its slow weights right then, overlapping the transfer with its inner
 is still to send.
 
 Without send-ahead both tensors go at the boundary, and a partner's update only ever uses them in one combination:
-``beta * mean(delta) + gamma * (mean(phi) - phi_i)`` is ``(beta * delta_i + sum_j (mix_j - gamma * d_i)) / n``
-with ``mix_j = beta * delta_j + gamma * (phi_j - phi_ref)`` and ``d_i = phi_i - phi_ref``. So each member sends
-that one tensor ("mix", trainer.outer.noloco_mix_step): half the bytes per outer step, the same update in exact
-arithmetic (fp32 rounds it a little differently; a peer alone gets bit-identical results). The codec then errs in
+``beta * mean(delta) + gamma * (mean(phi) - phi_i)`` is ``mean(mix) - gamma * d_i`` with
+``mix_j = beta * delta_j + gamma * (phi_j - phi_ref)`` and ``d_i = phi_i - phi_ref``. So each member sends that
+one tensor ("mix", trainer.outer.noloco_mix_step): half the bytes per outer step, the same update in exact
+arithmetic (fp32 rounds it a little differently; a peer alone gets bit-identical results, and partners that
+decode each other exactly still end bit-identical when their slow weights were). The codec then errs in
 proportion to mix's blocks rather than to delta's and the offset's apart; the two are of one scale in our runs.
 """
 
@@ -165,7 +166,7 @@ class NoLoCo(OuterAlgorithm):
                 self.swarm.invalid_contribution(pid, "too_large")
         if "mix" in outcome.contributions[me]:
             mine = outcome.contributions[me]
-            mixes = [c["mix"] for pid, c in sorted(outcome.contributions.items()) if pid != me]
+            mixes = [c["mix"] for _, c in sorted(outcome.contributions.items())]  # ours too, in peer-id order
             return noloco_mix_step(
                 self.phi,
                 self.momentum,

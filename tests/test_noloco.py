@@ -54,16 +54,16 @@ def test_two_peers_exchange_and_update_by_hand() -> None:
         mix_a = noloco_mix(THETA_A - PHI_A, PHI_A - PHI_REF, beta=0.7, gamma=0.7)
         mix_b = noloco_mix(THETA_B - PHI_B, PHI_B - PHI_REF, beta=0.7, gamma=0.7)
         oa, ob = await asyncio.gather(a.run_round(0, {"mix": mix_a}), b.run_round(0, {"mix": mix_b}))
-        for p, out, phi, theta, m, want_phi, want_m in (
-            (a, oa, PHI_A.clone(), THETA_A, M_A.clone(), WANT_PHI_A, WANT_M_A),
-            (b, ob, PHI_B.clone(), THETA_B, M_B.clone(), WANT_PHI_B, WANT_M_B),
+        for out, phi, theta, m, want_phi, want_m in (
+            (oa, PHI_A.clone(), THETA_A, M_A.clone(), WANT_PHI_A, WANT_M_A),
+            (ob, PHI_B.clone(), THETA_B, M_B.clone(), WANT_PHI_B, WANT_M_B),
         ):
             assert sorted(out.included) == sorted([a.my_id, b.my_id])
             assert all(set(c) == {"mix"} for c in out.contributions.values())  # one tensor per member
             frame = HEADER_SIZE + 4 * 4 + TRAILER_SIZE  # one fp32 frame of 4 values
             assert out.stats.wire_bytes == frame and out.stats.received_wire_bytes == frame
-            partner = [c["mix"] for pid, c in out.contributions.items() if pid != p.my_id]
-            noloco_mix_step(phi, m, theta - phi, phi - PHI_REF, partner, alpha=0.5, beta=0.7, gamma=0.7)
+            mixes = [c["mix"] for _, c in sorted(out.contributions.items())]
+            noloco_mix_step(phi, m, theta - phi, phi - PHI_REF, mixes, alpha=0.5, beta=0.7, gamma=0.7)
             assert torch.allclose(m, want_m, atol=1e-6), m
             assert torch.allclose(phi, want_phi, atol=1e-6), phi
         # the pair pulled its slow weights together: they were 2.45 apart (L2), now 0.9 apart
@@ -87,7 +87,7 @@ def test_the_combined_tensor_gives_the_two_tensor_update(members: int) -> None:
     contributions = {pid: {"phi": phis[pid] - phi_ref, "pair": deltas[pid]} for pid in ids}
     phi_old, m_old = phis[me].clone(), m0.clone()
     noloco_update(phi_old, m_old, phi_ref, contributions, me, alpha=0.5, beta=0.7, gamma=0.7)
-    mixes = [noloco_mix(deltas[pid], phis[pid] - phi_ref, beta=0.7, gamma=0.7) for pid in ids[1:]]
+    mixes = [noloco_mix(deltas[pid], phis[pid] - phi_ref, beta=0.7, gamma=0.7) for pid in ids]
     phi_new, m_new = phis[me].clone(), m0.clone()
     noloco_mix_step(phi_new, m_new, deltas[me], phis[me] - phi_ref, mixes, alpha=0.5, beta=0.7, gamma=0.7)
     if members == 1:
@@ -99,6 +99,21 @@ def test_the_combined_tensor_gives_the_two_tensor_update(members: int) -> None:
         assert float((m_new - m_old).abs().max()) <= 2 * ulp
         assert float((phi_new - phi_old).abs().max()) <= 4 * ulp
         assert not torch.equal(m_new, m0)  # the update really moved m
+
+
+def test_partners_with_equal_slow_weights_end_bit_identical_with_the_combined_tensor() -> None:
+    """What keeps a fp32 NoLoCo pair in lockstep today keeps it with one tensor: only -gamma * d_i is a member's own."""
+    g = torch.Generator().manual_seed(9)
+    phi_ref = torch.randn(1000, generator=g)
+    phi = phi_ref + torch.randn(1000, generator=g) * 0.02
+    deltas = [torch.randn(1000, generator=g) * 0.001 for _ in range(2)]
+    mixes = [noloco_mix(d, phi - phi_ref) for d in deltas]
+    ends = []
+    for me in range(2):
+        p, m = phi.clone(), torch.zeros(1000)
+        noloco_mix_step(p, m, deltas[me], phi - phi_ref, mixes)
+        ends.append((p, m))
+    assert torch.equal(ends[0][0], ends[1][0]) and torch.equal(ends[0][1], ends[1][1])
 
 
 def test_alone_the_gamma_term_is_exactly_zero() -> None:
