@@ -15,8 +15,10 @@ import sys
 import torch
 from torch import Tensor
 
-HUGE_FROM_BYTES = 4 << 20
-"""Smaller buffers come from the malloc heap (already faulted in) or are too small for a 2 MiB page to pay."""
+HUGE_FROM_BYTES = 32 << 20
+"""glibc's largest mmap threshold: buffers this big always get a mapping of their own, unmapped on free, so the
+advice never splits the malloc heap into many VMAs. Smaller ones come from the heap, which peerd/allocator.py keeps
+faulted in for reuse in the daemon."""
 _PAGE = 4096
 _MADV_HUGEPAGE = 14
 
