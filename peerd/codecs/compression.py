@@ -1,6 +1,6 @@
 """zstd on top of a frame body: compress only when it pays, decompress only into a buffer of known size.
 
-``decompress_exact`` never lets the sender size an allocation: the output buffer is the raw length the
+``decompress_into`` never lets the sender size an allocation: the output buffer is the raw length the
 receiver derived from its own expected numel, the zstd frame must declare exactly that content size, the
 decoder's window is capped by it, and the frame's block structure must end exactly at the end of the body
 (no trailing bytes, no second frame). zstandard's one-shot ``decompress`` trusts a declared content size over
@@ -85,13 +85,6 @@ def _frame_length(stored: memoryview, max_blocks: int) -> int:
         if last:
             return pos
     raise CodecError(f"zstd frame has more than {max_blocks} blocks for its declared size")
-
-
-def decompress_exact(stored: memoryview, raw_len: int) -> bytearray:
-    """Decompress one zstd frame that must expand to exactly ``raw_len`` bytes (bounded, strict)."""
-    out = bytearray(raw_len)
-    decompress_into(stored, memoryview(out))
-    return out
 
 
 def decompress_into(stored: memoryview, out: memoryview) -> None:
