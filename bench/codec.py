@@ -1,13 +1,15 @@
 """Codec micro-benchmark: throughput, wire size and error of every codec, on gaussian data and real
 pseudo-gradients.
 
-    python -m bench.codec [--numel N] [--repeats R] [--steps S] [--preset small] [--data gaussian,pseudograd]
+    python -m bench.codec [--numel N] [--repeats R] [--steps S] [--preset small] [--data gaussian,pseudograd] [--quick]
 
 For each data set, device (cpu, and cuda when available) and codec with and without zstd it prints:
 encode and decode GB/s (GB of fp32 input per second, median of R timed runs after one warm-up; encode
 includes the device-to-host copy and zstd, decode the checks, zstd and the host-to-device copy), wire bytes
 as a fraction of the fp32 bytes (headers included) and as "x fewer bytes than fp32", and the relative L2
-error ||x - decode(encode(x))|| / ||x||.
+error ||x - decode(encode(x))|| / ||x||. After each CPU table, one line per codec states its encode and decode GB/s
+against the CPU goal (ENCODE_GOAL / DECODE_GOAL GB/s, set for int8 and int4 on a 10M-value vector), with and without
+zstd. ``--quick`` runs gaussian data only, 2M values, 5 repeats.
 
 Pseudo-gradients come from the repo's own model: ``--steps`` AdamW steps of ``trainer.model.GPT`` on the
 Python standard library's sources read as bytes, then ``params_before - params_after`` flattened, which is
@@ -28,6 +30,7 @@ import torch
 from peerd.codecs import CODEC_NAMES, make_codec
 
 TEXT_BYTES = 4 << 20
+ENCODE_GOAL, DECODE_GOAL = 1.5, 2.0  # GB/s of fp32 input, one call on a 10M-value vector, CPU
 
 
 def stdlib_text(max_bytes: int = TEXT_BYTES) -> torch.Tensor:
@@ -110,6 +113,21 @@ def print_table(title: str, rows: list[tuple[str, str, dict[str, float]]]) -> No
         )
 
 
+def print_goals(rows: list[tuple[str, str, dict[str, float]]]) -> None:
+    """One line per codec: encode/decode GB/s with and without zstd, against the CPU goals."""
+    by_codec: dict[str, dict[str, dict[str, float]]] = {}
+    for name, zstd, r in rows:
+        by_codec.setdefault(name, {})[zstd] = r
+    for name, runs in by_codec.items():
+        parts = []
+        for zstd in ("on", "off"):
+            r = runs.get(zstd)
+            if r is not None:
+                met = "met" if r["enc"] >= ENCODE_GOAL and r["dec"] >= DECODE_GOAL else "below"
+                parts.append(f"zstd {zstd}: encode {r['enc']:.2f} GB/s, decode {r['dec']:.2f} GB/s ({met})")
+        print(f"{name:<6} {'; '.join(parts)} (goal {ENCODE_GOAL} / {DECODE_GOAL})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=10_000_000, help="elements of the gaussian tensor")
@@ -123,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--quick", action="store_true", help="gaussian data only, 2M values, 5 repeats")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.data, args.numel, args.repeats = "gaussian", 2_000_000, 5
 
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     codecs = [c for c in args.codecs.split(",") if c]
@@ -148,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 for zstd in (False, True)
             ]
             print_table(f"{label} on {device} (median of {args.repeats})", rows)
+            if device == "cpu":
+                print_goals(rows)
 
 
 if __name__ == "__main__":

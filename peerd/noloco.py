@@ -26,6 +26,14 @@ numbers.
 With ``noloco.send_ahead``, phi for the next outer step is known as soon as the last one ends, so the peer pairs
 and streams its slow weights right then, overlapping the transfer with its inner steps; at the boundary only delta
 is still to send.
+
+Without send-ahead both tensors go at the boundary, and a partner's update only ever uses them in one combination:
+``beta * mean(delta) + gamma * (mean(phi) - phi_i)`` is ``mean(mix) - gamma * d_i`` with
+``mix_j = beta * delta_j + gamma * (phi_j - phi_ref)`` and ``d_i = phi_i - phi_ref``. So each member sends that
+one tensor ("mix", trainer.outer.noloco_mix_step): half the bytes per outer step, the same update in exact
+arithmetic (fp32 rounds it a little differently; a peer alone gets bit-identical results, and partners that
+decode each other exactly still end bit-identical when their slow weights were). The codec then errs in
+proportion to mix's blocks rather than to delta's and the offset's apart; the two are of one scale in our runs.
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ import torch
 
 from peerd.algorithm import OuterAlgorithm, StepDone, StepTimer, Trainer
 from peerd.allreduce import RoundResult
+from peerd.pair_exchange import kinds_for
 from peerd.v1 import peerd_pb2 as pb
-from trainer.outer import noloco_step
+from trainer.outer import noloco_mix, noloco_mix_step, noloco_step
 
 if TYPE_CHECKING:
     from peerd.pairing import PairOutcome
@@ -125,10 +134,13 @@ class NoLoCo(OuterAlgorithm):
             self.step_timer.restart()
             return StepDone(trainer.outer_step)
         theta = trainer.layout.flatten(trainer.model).detach().float().cpu()
-        tensors = {"phi": self.phi - self.phi_ref, "pair": theta - self.phi}
+        own = {"phi": self.phi - self.phi_ref, "pair": theta - self.phi}
+        if not self.send_ahead:  # one tensor on the wire (see the module docstring)
+            own["mix"] = noloco_mix(own["pair"], own["phi"], beta=self.beta, gamma=self.gamma)
         t0 = time.perf_counter()
-        outcome = self.pairing.run_round(step, tensors)
+        outcome = self.pairing.run_round(step, {k: own[k] for k in kinds_for(self.send_ahead)})
         trainer.add_idle(time.perf_counter() - t0)
+        outcome.contributions[self.pairing.my_id] = own  # ours in full: the update and the screen use delta and phi
         delta_mean = self.apply(outcome)
         trainer.layout.unflatten_into(self.phi, trainer.model)
         result = self._record(outcome, delta_mean)
@@ -139,7 +151,8 @@ class NoLoCo(OuterAlgorithm):
         return StepDone(step + 1, result)
 
     def apply(self, outcome: PairOutcome) -> torch.Tensor:
-        """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta. Partners
+        """Fold one exchange into the slow weights and momentum (in place); returns the group's mean delta (without
+        send-ahead: the whole group term, beta * mean delta + gamma * pull, which is all we learn). Partners
         whose tensors are out of bounds are left out first (as lost, with the reason in the note) and counted
         towards their ban: one huge delta would otherwise wreck our slow weights."""
         me = self.pairing.my_id
@@ -151,6 +164,19 @@ class NoLoCo(OuterAlgorithm):
                 outcome.lost.append(pid)
                 outcome.note += f"; refused {pid[:8]} (too large)"
                 self.swarm.invalid_contribution(pid, "too_large")
+        if "mix" in outcome.contributions[me]:
+            mine = outcome.contributions[me]
+            mixes = [c["mix"] for _, c in sorted(outcome.contributions.items())]  # ours too, in peer-id order
+            return noloco_mix_step(
+                self.phi,
+                self.momentum,
+                mine["pair"],
+                mine["phi"],
+                mixes,
+                alpha=self.alpha,
+                beta=self.beta,
+                gamma=self.gamma,
+            )
         return noloco_update(
             self.phi,
             self.momentum,

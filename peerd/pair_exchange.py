@@ -1,11 +1,11 @@
 """NoLoCo pair exchange: the tensors a group's members swap once matchmaking (peerd/matchmaking.py) formed it.
 
 The exchange (``Rounds.Exchange``, one bidirectional stream per proposer/accepter pair) carries each member's
-tensors by kind ("phi" first, then "pair"), each encoded with the run's codec and framed by ``peerd.streams``
-(signed header, chunks, signed trailer). The proposer sends its own tensors, the accepter sends its own back on the
-same stream, and in groups larger than two the proposer relays every other member's encoded bytes unchanged, so
-all members decode the same bytes for each contribution. The two directions are independent: a peer may send its
-"phi" long before its "pair" (send-ahead).
+tensors by kind ("phi" first, then "pair"; without send-ahead the single combination "mix"), each encoded with
+the run's codec and framed by ``peerd.streams`` (signed header, chunks, signed trailer). The proposer sends its own
+tensors, the accepter sends its own back on the same stream, and in groups larger than two the proposer relays
+every other member's encoded bytes unchanged, so all members decode the same bytes for each contribution. The two
+directions are independent: a peer may send its "phi" long before its "pair" (send-ahead).
 
 A `Session` is one group, from the proposal until every contribution settled (arrived complete, or lost); the
 `Exchange` keeps this peer's sessions, runs their streams, stores what arrives and retires groups once done. This
@@ -41,6 +41,14 @@ from peerd.wire import codec_name, codec_to_wire, kind_name, kind_to_wire
 log = logging.getLogger("peerd")
 
 KINDS = ("phi", "pair")  # the order each member sends its tensors in: slow weights first, so they can go ahead
+MIXED_KINDS = ("mix",)  # without send-ahead: the one combination of both the NoLoCo update uses (peerd/noloco.py)
+
+
+def kinds_for(send_ahead: bool) -> tuple[str, ...]:
+    """The tensors each member sends: two with send-ahead (phi goes early), else one combined tensor."""
+    return KINDS if send_ahead else MIXED_KINDS
+
+
 RETIRE_S = 5.0  # how long a finished group stays known, so the partner can finish reading our last bytes
 
 
@@ -93,15 +101,24 @@ class ExchangeTransport(Protocol):
 class Session:
     """One group this peer is in, for one outer step, from the proposal until every contribution settled."""
 
-    def __init__(self, round_id: bytes, step: int, role: str, members: list[pb.PeerInfo], me: str) -> None:
+    def __init__(
+        self,
+        round_id: bytes,
+        step: int,
+        role: str,
+        members: list[pb.PeerInfo],
+        me: str,
+        kinds: tuple[str, ...] = KINDS,
+    ) -> None:
         loop = asyncio.get_running_loop()
+        self.kinds = kinds
         self.round_id = round_id
         self.step = step
         self.role = role  # "proposer" (opens the streams, relays) or "accepter"
         self.members = members
         self.me = me
         self.deadline = math.inf
-        self.own: dict[str, asyncio.Future[bytes]] = {k: loop.create_future() for k in KINDS}
+        self.own: dict[str, asyncio.Future[bytes]] = {k: loop.create_future() for k in kinds}
         self.received: dict[str, dict[str, torch.Tensor]] = {}
         self.raw: dict[str, dict[str, bytes]] = {}  # encoded bytes as received, for relaying (proposer only)
         self.settled: dict[str, asyncio.Future[bool]] = {}  # per other member: True = complete, False = lost
@@ -204,7 +221,7 @@ class Exchange:
 
     # -- sessions ------------------------------------------------------------------------------------------------
     def open(self, round_id: bytes, step: int, role: str, members: list[pb.PeerInfo]) -> Session:
-        sess = Session(round_id, step, role, members, self.my_id)
+        sess = Session(round_id, step, role, members, self.my_id, kinds_for(self.settings.send_ahead))
         self.session = sess
         self.sessions[round_id] = sess
         return sess
@@ -309,7 +326,7 @@ class Exchange:
         if origin == self.my_id or (origin != from_peer and from_peer != sess.proposer):
             raise StreamError("malformed", "a peer may only send its own tensors (the proposer relays)", rx.sender)
         kind = kind_name(h.kind)
-        if kind not in KINDS:
+        if kind not in sess.kinds:
             raise StreamError("malformed", f"unknown tensor kind {h.kind!r}", rx.sender)
         got = sess.received.setdefault(origin, {})
         if kind in got:
@@ -320,7 +337,7 @@ class Exchange:
         sess.stats.received_wire_bytes += len(payload)
         if sess.role == "proposer" and len(ids) > 2:
             sess.raw.setdefault(origin, {})[kind] = payload
-        if len(got) == len(KINDS):
+        if len(got) == len(sess.kinds):
             sess.settle(origin, True)
 
     def _limit(
@@ -385,7 +402,7 @@ class Exchange:
 
     async def _client_requests(self, sess: Session, member: pb.PeerInfo) -> AsyncIterator[pb.TensorMessage]:
         to = member.peer_id
-        for kind in KINDS:
+        for kind in sess.kinds:
             payload = await self._own(sess, kind)
             for msg in self._messages(sess, to, kind, payload, 0):
                 yield msg
@@ -396,7 +413,7 @@ class Exchange:
             fut = sess.settled[other]
             await asyncio.wait({fut, sess.closed}, return_when=asyncio.FIRST_COMPLETED)
             if sess.complete(other):
-                for kind in KINDS:
+                for kind in sess.kinds:
                     for msg in self._messages(sess, to, kind, sess.raw[other][kind], index, relay=True):
                         yield msg
 
@@ -446,7 +463,7 @@ class Exchange:
         delivered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         sess.delivering.append(delivered)
         try:
-            for kind in KINDS:
+            for kind in sess.kinds:
                 try:
                     payload = await self._own(sess, kind)
                 except RoundFailed:

@@ -31,7 +31,7 @@ from peerd.envelope import Verifier
 from peerd.identity import Identity
 from peerd.matchmaking import Matchmaker, Transport
 from peerd.membership import copy_peer
-from peerd.pair_exchange import KINDS, Exchange, PairingError, PairSettings, Session
+from peerd.pair_exchange import Exchange, PairingError, PairSettings, Session, kinds_for
 from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
@@ -97,6 +97,7 @@ class Pairing:
         self.executor = executor
         self.numel = numel
         self.settings = settings
+        self.kinds = kinds_for(settings.send_ahead)  # what run_round takes and each member sends
         self.me = me
         on_unreachable = on_unreachable or (lambda peer_id: None)  # we could not connect: leave it out a while
         # A partner finished a step with us: noted beside its gossiped entry (which its own signature covers, so it
@@ -178,10 +179,10 @@ class Pairing:
             self.exchange.set_own(sess, {"phi": encoded_phi})
 
     async def run_round(self, step: int, tensors: Mapping[str, torch.Tensor]) -> PairOutcome:
-        """At the end of the inner steps for outer step `step`: exchange `tensors` ({"phi", "pair"}, flat fp32 CPU)
-        with a group, or step alone if none forms by `match_timeout`. Network trouble never raises: a partner
-        that fails shows up in the outcome's `lost`."""
-        self._check(tensors, KINDS)
+        """At the end of the inner steps for outer step `step`: exchange `tensors` (`self.kinds`: {"phi", "pair"}
+        with send-ahead, else {"mix"}; flat fp32 CPU) with a group, or step alone if none forms by `match_timeout`.
+        Network trouble never raises: a partner that fails shows up in the outcome's `lost`."""
+        self._check(tensors, self.kinds)
         t0 = time.monotonic()
         self._last_round = max(self._last_round, step)
         loop = asyncio.get_running_loop()
@@ -189,7 +190,7 @@ class Pairing:
             self._ahead_stop = True  # the matching window is over; a proposal in flight may still form our group
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ahead_task
-        encoded = {k: await loop.run_in_executor(self.executor, self._encode, tensors[k]) for k in KINDS}
+        encoded = {k: await loop.run_in_executor(self.executor, self._encode, tensors[k]) for k in self.kinds}
         self.match.avail_step = step
         self.match.at_boundary = encoded
         sess: Session | None = None

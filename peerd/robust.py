@@ -117,12 +117,23 @@ class ContributionGuard:
         """NoLoCo has no shard owner: each peer judges its partners' (delta, phi offset) itself, before averaging
         with them. A delta is judged like a contribution, against our own (and our recent ones); the gap between a
         partner's slow weights and ours against how far ours moved from the shared reference, or our delta's scale
-        if larger. Returns {partner: why} for those out of bounds; records our own delta's norm."""
+        if larger. Returns {partner: why} for those out of bounds; records our own delta's norm.
+
+        Without send-ahead partners send one tensor, "mix" (beta * delta + gamma * (phi - phi_ref)), and `own` holds
+        our mix beside our delta and phi: a partner's gap to our mix is judged against our mix's scale, or our
+        recent delta scale if larger (a huge delta and far-away slow weights both show up in that gap)."""
         own_rms = rms(own["pair"])
         ref = self.reference(NOLOCO_KEY, own_rms)
         self.record_own(NOLOCO_KEY, own_rms)
         gap_ref = max(rms(own["phi"]), ref)
         bad: dict[str, str] = {}
+        if "mix" in own:
+            mix_ref = max(rms(own["mix"]), ref)
+            for pid, theirs in partners.items():
+                gap = rms(theirs["mix"] - own["mix"])
+                if self.too_large(gap, mix_ref):
+                    bad[pid] = f"combined update {gap:.3g} from ours, over {self.max_norm_ratio:g} x {mix_ref:.3g}"
+            return bad
         for pid, theirs in partners.items():
             delta, gap = rms(theirs["pair"]), rms(theirs["phi"] - own["phi"])
             if self.too_large(delta, ref):

@@ -13,6 +13,7 @@ _KINDS = {
     "gather": pb.TENSOR_KIND_GATHER,
     "phi": pb.TENSOR_KIND_PHI,
     "pair": pb.TENSOR_KIND_PAIR,
+    "mix": pb.TENSOR_KIND_MIX,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 

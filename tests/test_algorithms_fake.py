@@ -123,16 +123,23 @@ def test_noloco_without_a_partner_takes_the_solo_step(tmp_path: Path) -> None:
     assert torch.allclose(algo.phi, phi, atol=1e-6) and torch.allclose(flat(trainer), phi, atol=1e-6)
 
 
-def test_noloco_with_a_partner_pulls_towards_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("send_ahead", [False, True])
+def test_noloco_with_a_partner_pulls_towards_it(tmp_path: Path, send_ahead: bool) -> None:
+    sent: list[list[str]] = []
+
     def partner(step: int, mine: dict) -> dict:
+        sent.append(sorted(mine))
+        if not send_ahead:  # its phi is phi_ref + 1 (we are still at phi_ref), its delta 0: mix = 0.7 * 1
+            return {"p1": {"mix": torch.full_like(mine["mix"], 0.7)}}
         return {"p1": {"phi": mine["phi"] + 1.0, "pair": torch.zeros_like(mine["pair"])}}
 
     swarm = FakeSwarm(partners=partner)
-    trainer = setup(tmp_path, "noloco", swarm)
+    trainer = setup(tmp_path, "noloco", swarm, noloco={"send_ahead": send_ahead})
     algo = trainer.algorithm
     phi0 = algo.phi.clone()
     done = [trainer.inner_step() for _ in range(3)][-1]
     assert done is not None and done.result.included == [ME, "p1"] and swarm.solo_steps == 0
+    assert sent == [["pair", "phi"] if send_ahead else ["mix"]]  # without send-ahead: one tensor
     # mean delta = 0.015, mean phi - phi = +0.5: m = 0.7*0.015 + 0.7*0.5, phi += m
     assert torch.allclose(algo.phi, phi0 + 0.7 * 0.015 + 0.7 * 0.5, atol=1e-6)
 

@@ -425,3 +425,38 @@ def test_bound_helper_is_not_vacuous() -> None:
     with pytest.raises(AssertionError):
         assert_within_bound("int8", x, y + step, 256)
     assert math.isclose(float(error_bound("e3m0", torch.tensor([1.0]), 256)[0]), 1 / 3, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("zstd", [False, True])
+def test_decode_equals_a_plain_reference_on_every_code(name: str, zstd: bool) -> None:
+    """The fast decoders (convert then scale; int4 nibbles by integer ops) give exactly float(code) * step, for every
+    code value, into an output large enough (> 32 MiB) to take the huge-page path of peerd/codecs/hostmem.py."""
+    codec = make_codec(name, zstd=zstd)
+    block = codec.block_size
+    g = torch.Generator().manual_seed(11)
+    n = 9_000_000 + 77  # a partial last block too
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n).float()[torch.randperm(n, generator=g)]
+    frame = codec.encode(x)
+    y = codec.decode(frame, n)
+    header = parse(frame)
+    blocks = -(-n // block)
+    raw = bytearray(frame[HEADER_SIZE : HEADER_SIZE + header.stored_len])
+    if header.compressed:
+        import zstandard
+
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(bytes(raw)))
+    body = torch.frombuffer(raw, dtype=torch.uint8)
+    scales = body[: 4 * blocks].view(torch.float32)
+    payload = body[4 * blocks :].to(torch.int32)
+    if name == "int8":
+        codes = torch.where(payload >= 128, payload - 256, payload)
+        max_code = 127.0
+    else:
+        nibbles = torch.stack([payload & 15, payload >> 4], dim=1).reshape(-1)  # low nibble first
+        codes = torch.where(nibbles >= 8, nibbles - 16, nibbles)
+        max_code = 7.0
+    assert set(codes.unique().tolist()) == set(range(-int(max_code), int(max_code) + 1))  # every valid code seen
+    steps = scales / torch.full_like(scales, max_code)
+    want = (codes.float().view(blocks, block) * steps.unsqueeze(1)).reshape(-1)[:n]
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))

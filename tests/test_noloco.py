@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peerd.codecs import HEADER_SIZE, TRAILER_SIZE
 from peerd.config import RunConfig
 from peerd.demo import global_params, max_param_diff
 from peerd.faults import EXCHANGE_EXIT_ENV as FAULT_ENV
@@ -23,6 +24,7 @@ from peerd.worker import build_run_model
 from tests.promtools import http_get
 from tests.swarm import Swarm, tiny_config
 from tests.test_pairing import Net
+from trainer.outer import noloco_mix, noloco_mix_step
 
 T = torch.tensor
 
@@ -41,29 +43,77 @@ WANT_M_B, WANT_PHI_B = T([-0.175, 0.0, -0.175, 0.2625]), T([1.825, 2.0, -0.175, 
 
 
 def test_two_peers_exchange_and_update_by_hand() -> None:
-    """Two real Pairing endpoints exchange (phi - phi_ref, delta) through the codec layer, then each applies the
-    NoLoCo step: the results match the numbers worked out above."""
+    """Two real Pairing endpoints (no send-ahead) exchange one combined tensor each, beta * delta + gamma *
+    (phi - phi_ref), through the codec layer, then apply the NoLoCo step from it: the results match the numbers
+    worked out above for the two-tensor formula (to fp32 rounding), and one frame per member went each way."""
 
     async def main() -> None:
         net = Net()
         a, b = net.add(PairSettings(match_timeout=3.0), 4), net.add(PairSettings(match_timeout=3.0), 4)
-        oa, ob = await asyncio.gather(
-            a.run_round(0, {"phi": PHI_A - PHI_REF, "pair": THETA_A - PHI_A}),
-            b.run_round(0, {"phi": PHI_B - PHI_REF, "pair": THETA_B - PHI_B}),
-        )
-        for p, out, phi, m, want_phi, want_m in (
-            (a, oa, PHI_A.clone(), M_A.clone(), WANT_PHI_A, WANT_M_A),
-            (b, ob, PHI_B.clone(), M_B.clone(), WANT_PHI_B, WANT_M_B),
+        assert a.kinds == ("mix",)
+        mix_a = noloco_mix(THETA_A - PHI_A, PHI_A - PHI_REF, beta=0.7, gamma=0.7)
+        mix_b = noloco_mix(THETA_B - PHI_B, PHI_B - PHI_REF, beta=0.7, gamma=0.7)
+        oa, ob = await asyncio.gather(a.run_round(0, {"mix": mix_a}), b.run_round(0, {"mix": mix_b}))
+        for out, phi, theta, m, want_phi, want_m in (
+            (oa, PHI_A.clone(), THETA_A, M_A.clone(), WANT_PHI_A, WANT_M_A),
+            (ob, PHI_B.clone(), THETA_B, M_B.clone(), WANT_PHI_B, WANT_M_B),
         ):
             assert sorted(out.included) == sorted([a.my_id, b.my_id])
-            mean_delta = noloco_update(phi, m, PHI_REF, out.contributions, p.my_id, alpha=0.5, beta=0.7, gamma=0.7)
-            assert torch.allclose(mean_delta, T([0.25, 0.0, 0.25, -0.125]), atol=1e-7)
+            assert all(set(c) == {"mix"} for c in out.contributions.values())  # one tensor per member
+            frame = HEADER_SIZE + 4 * 4 + TRAILER_SIZE  # one fp32 frame of 4 values
+            assert out.stats.wire_bytes == frame and out.stats.received_wire_bytes == frame
+            mixes = [c["mix"] for _, c in sorted(out.contributions.items())]
+            noloco_mix_step(phi, m, theta - phi, phi - PHI_REF, mixes, alpha=0.5, beta=0.7, gamma=0.7)
             assert torch.allclose(m, want_m, atol=1e-6), m
             assert torch.allclose(phi, want_phi, atol=1e-6), phi
         # the pair pulled its slow weights together: they were 2.45 apart (L2), now 0.9 apart
         assert float((WANT_PHI_A - WANT_PHI_B).norm()) < float((PHI_A - PHI_B).norm())
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("members", [1, 2, 4])
+def test_the_combined_tensor_gives_the_two_tensor_update(members: int) -> None:
+    """noloco_mix_step on partners' mix tensors equals noloco_update on their (delta, phi) on fixed inputs, within
+    fp32 rounding (a few ulps of the terms); alone it is bit-identical."""
+    g = torch.Generator().manual_seed(members)
+    n = 10_000
+    phi_ref = torch.randn(n, generator=g)
+    ids = [f"p{i}" for i in range(members)]
+    phis = {pid: phi_ref + torch.randn(n, generator=g) * 0.02 for pid in ids}
+    deltas = {pid: torch.randn(n, generator=g) * 0.001 for pid in ids}
+    m0 = torch.randn(n, generator=g) * 0.001
+    me = ids[0]
+    contributions = {pid: {"phi": phis[pid] - phi_ref, "pair": deltas[pid]} for pid in ids}
+    phi_old, m_old = phis[me].clone(), m0.clone()
+    noloco_update(phi_old, m_old, phi_ref, contributions, me, alpha=0.5, beta=0.7, gamma=0.7)
+    mixes = [noloco_mix(deltas[pid], phis[pid] - phi_ref, beta=0.7, gamma=0.7) for pid in ids]
+    phi_new, m_new = phis[me].clone(), m0.clone()
+    noloco_mix_step(phi_new, m_new, deltas[me], phis[me] - phi_ref, mixes, alpha=0.5, beta=0.7, gamma=0.7)
+    if members == 1:
+        assert torch.equal(m_new, m_old) and torch.equal(phi_new, phi_old)
+    else:
+        # The two-tensor formula rounds mean(phi) at the weights' own scale before subtracting phi_i: that is the
+        # largest rounding on either path (the mixed one only rounds offsets and deltas, which are far smaller).
+        ulp = 2.0**-24 * max(float(p.abs().max()) for p in [phi_ref, *phis.values()])
+        assert float((m_new - m_old).abs().max()) <= 2 * ulp
+        assert float((phi_new - phi_old).abs().max()) <= 4 * ulp
+        assert not torch.equal(m_new, m0)  # the update really moved m
+
+
+def test_partners_with_equal_slow_weights_end_bit_identical_with_the_combined_tensor() -> None:
+    """What keeps a fp32 NoLoCo pair in lockstep today keeps it with one tensor: only -gamma * d_i is a member's own."""
+    g = torch.Generator().manual_seed(9)
+    phi_ref = torch.randn(1000, generator=g)
+    phi = phi_ref + torch.randn(1000, generator=g) * 0.02
+    deltas = [torch.randn(1000, generator=g) * 0.001 for _ in range(2)]
+    mixes = [noloco_mix(d, phi - phi_ref) for d in deltas]
+    ends = []
+    for me in range(2):
+        p, m = phi.clone(), torch.zeros(1000)
+        noloco_mix_step(p, m, deltas[me], phi - phi_ref, mixes)
+        ends.append((p, m))
+    assert torch.equal(ends[0][0], ends[1][0]) and torch.equal(ends[0][1], ends[1][1])
 
 
 def test_alone_the_gamma_term_is_exactly_zero() -> None:

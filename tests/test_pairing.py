@@ -135,15 +135,18 @@ async def _cut(messages: AsyncIterator[pb.TensorMessage], after: int | None) -> 
         yield msg
 
 
-def tensors_for(i: int, numel: int) -> dict[str, torch.Tensor]:
+def tensors_for(i: int, numel: int, kinds: Sequence[str] = ("phi", "pair")) -> dict[str, torch.Tensor]:
+    """Member i's tensors of `kinds` (a Pairing's `kinds`: without send-ahead the one combined "mix")."""
     g = torch.Generator().manual_seed(i)
-    return {"phi": torch.randn(numel, generator=g), "pair": torch.randn(numel, generator=g) * 0.01}
+    both = {"phi": torch.randn(numel, generator=g), "pair": torch.randn(numel, generator=g) * 0.01}
+    both["mix"] = both["pair"] * 0.7 + both["phi"] * 0.7
+    return {k: both[k] for k in kinds}
 
 
 async def run_all(pairings: Sequence[Pairing], step: int | Sequence[int] = 0, numel: int = 8) -> list[PairOutcome]:
     steps = [step] * len(pairings) if isinstance(step, int) else list(step)
     return await asyncio.gather(
-        *(p.run_round(s, tensors_for(i, numel)) for i, (p, s) in enumerate(zip(pairings, steps, strict=True)))
+        *(p.run_round(s, tensors_for(i, numel, p.kinds)) for i, (p, s) in enumerate(zip(pairings, steps, strict=True)))
     )
 
 
@@ -228,7 +231,7 @@ def test_nobody_pairs_with_itself() -> None:
         resp = await p.answer(req, p.my_id)
         assert not resp.accepted and "itself" in resp.reason
         # and alone in the swarm, a round ends solo rather than pairing with itself
-        out = await p.run_round(0, tensors_for(0, 8))
+        out = await p.run_round(0, tensors_for(0, 8, p.kinds))
         assert out.solo and out.expected == [p.my_id]
 
     asyncio.run(main())
@@ -284,13 +287,15 @@ def test_a_peer_ahead_waits_for_a_lagging_peer_but_not_forever() -> None:
             return loop.time()
 
         caught_up, oa, _ = await asyncio.gather(
-            catch_up(), a.run_round(5, tensors_for(0, 8)), c.run_round(5, tensors_for(1, 8))
+            catch_up(), a.run_round(5, tensors_for(0, 8, a.kinds)), c.run_round(5, tensors_for(1, 8, c.kinds))
         )
         assert oa.match_seconds < 0.5  # matching began only once the lagging peer caught up...
         assert oa.stats.seconds >= 0.5 and set(oa.expected) == {a.my_id, c.my_id}
         net.infos[lagging.my_id].outer_step = 3  # ...and a peer that never catches up delays us only match_timeout
         t0 = loop.time()
-        oa, _ = await asyncio.gather(a.run_round(5, tensors_for(0, 8)), c.run_round(5, tensors_for(1, 8)))
+        oa, _ = await asyncio.gather(
+            a.run_round(5, tensors_for(0, 8, a.kinds)), c.run_round(5, tensors_for(1, 8, c.kinds))
+        )
         assert 1.0 <= loop.time() - t0 < 1.0 + 1.0
         assert set(oa.expected) == {a.my_id, c.my_id}
         assert caught_up > 0
@@ -357,9 +362,9 @@ def test_exchange_delivers_each_partners_tensors() -> None:
     async def main() -> None:
         net = Net()
         a, b = net.add(settings(), 300, codec="int8"), net.add(settings(), 300, codec="int8")
-        ta, tb = tensors_for(0, 300), tensors_for(1, 300)
+        ta, tb = tensors_for(0, 300, a.kinds), tensors_for(1, 300, b.kinds)
         oa, ob = await asyncio.gather(a.run_round(0, ta), b.run_round(0, tb))
-        for kind in ("phi", "pair"):
+        for kind in a.kinds:
             assert oa.contributions[a.my_id][kind] is ta[kind]  # our own terms never go through the codec
             got = oa.contributions[b.my_id][kind]
             bound = tb[kind].abs().max() / 127  # int8 absmax: at most one quantization step off
@@ -418,12 +423,12 @@ def test_groups_of_three_share_every_contribution() -> None:
         peers = [net.add(s, 16, seed=i) for i in range(3)]
         outcomes = await run_all(peers, numel=16)
         partners(outcomes, peers)
-        truth = {p.my_id: tensors_for(i, 16) for i, p in enumerate(peers)}
+        truth = {p.my_id: tensors_for(i, 16, p.kinds) for i, p in enumerate(peers)}
         for out in outcomes:
             assert sorted(out.included) == sorted(truth) and not out.lost
             assert out.note.startswith("group ")
             for pid, got in out.contributions.items():
-                for kind in ("phi", "pair"):
+                for kind in peers[0].kinds:
                     assert torch.equal(got[kind], truth[pid][kind])  # fp32: relayed bytes decode exactly
 
     asyncio.run(main())
@@ -448,6 +453,11 @@ def test_partner_lost_mid_stream_leaves_a_partial_outcome() -> None:
 def test_bad_tensors_are_refused_before_any_exchange() -> None:
     async def main() -> None:
         p = Net().add(settings(), 8)
+        with pytest.raises(PairingError):
+            await p.run_round(0, {"phi": torch.zeros(8), "pair": torch.zeros(8)})  # without send-ahead: "mix" only
+        with pytest.raises(PairingError):
+            await p.run_round(0, {"mix": torch.zeros(9)})
+        p = Net().add(settings(send_ahead=True), 8)
         with pytest.raises(PairingError):
             await p.run_round(0, {"phi": torch.zeros(8)})
         with pytest.raises(PairingError):

@@ -96,6 +96,25 @@ def test_noloco_partners_are_judged_by_their_delta_and_how_far_their_slow_weight
     assert off.screen_partners(own, {"d": huge_delta}) == {}
 
 
+def test_noloco_partners_sending_one_combined_tensor_are_judged_by_its_gap_to_ours() -> None:
+    """Without send-ahead partners send only mix = 0.7 * delta + 0.7 * (phi - phi_ref): a huge delta or far-away
+    slow weights still show up, in its gap to our own mix."""
+    guard = ContributionGuard(RobustSection(max_norm_ratio=10.0))
+    g = torch.Generator().manual_seed(4)
+    own = {"pair": torch.randn(500, generator=g) * 0.01, "phi": torch.randn(500, generator=g) * 0.1}
+    own["mix"] = own["pair"] * 0.7 + own["phi"] * 0.7
+
+    def mix(delta: torch.Tensor, phi: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"mix": delta * 0.7 + phi * 0.7}
+
+    delta = torch.randn(500, generator=g) * 0.01
+    honest = mix(delta, own["phi"] + torch.randn(500, generator=g) * 0.01)
+    bad = guard.screen_partners(own, {"h": honest, "d": mix(delta * 1e6, own["phi"]), "f": mix(delta, own["phi"] + 50)})
+    assert sorted(bad) == ["d", "f"] and all("combined update" in why for why in bad.values())
+    off = ContributionGuard(RobustSection(max_norm_ratio=0.0))
+    assert off.screen_partners(own, {"d": mix(delta * 1e6, own["phi"])}) == {}
+
+
 @pytest.mark.parametrize("private", [[False, False, False], [True, False, True], [False, True, True], [True] * 3])
 def test_in_place_mean_is_bit_identical_and_spares_shared_memory(private: list[bool]) -> None:
     """The owner sums into a contribution's own memory when it may; the bits must not depend on which one, and a

@@ -148,6 +148,62 @@ def noloco_step(
     phi.add_(m)
 
 
+def noloco_mix(delta: Tensor, offset: Tensor, *, beta: float = 0.7, gamma: float = 0.7) -> Tensor:
+    """The one tensor a NoLoCo member sends without send-ahead: ``beta * delta + gamma * offset``, where ``offset``
+    is ``phi - phi_ref``. It is all a partner's update needs of (delta, phi), see :func:`noloco_mix_step`."""
+    _check_flat("delta", delta)
+    _check_same(delta, offset=offset)
+    mix = delta * float(beta)
+    mix.add_(offset * float(gamma))
+    return mix
+
+
+def noloco_mix_step(
+    phi: Tensor,
+    m: Tensor,
+    own_delta: Tensor,
+    own_offset: Tensor,
+    mixes: list[Tensor],
+    *,
+    alpha: float = 0.5,
+    beta: float = 0.7,
+    gamma: float = 0.7,
+) -> Tensor:
+    """:func:`noloco_step` from every member's :func:`noloco_mix` tensor instead of their (delta, phi), in place;
+    returns the group term added to ``alpha * m``.
+
+    ``mixes`` holds the group's mix tensors, ours included, in an order every member uses (peer id). With ``n``
+    members, ``d_j = phi_j - phi_ref`` and ``mix_j = beta * delta_j + gamma * d_j``::
+
+        beta * mean(delta) + gamma * (mean(phi) - phi_i)  =  sum_j mix_j / n - gamma * d_i
+
+    equal in exact arithmetic; fp32 rounds the two differently (by a few ulps of the offsets). As with the
+    two-tensor update, members whose slow weights are equal and who decode the same values (a lossless codec) end
+    bit-identical: only ``- gamma * d_i`` is their own. Alone (``mixes`` is just ours) the step is noloco_step's
+    to the bit: ``beta * delta_i``.
+    """
+    _check_flat("phi", phi)
+    _check_same(phi, m=m, own_delta=own_delta, own_offset=own_offset)
+    if not mixes:
+        raise OuterError("mixes must hold at least our own mix tensor")
+    for j, mix in enumerate(mixes):
+        _check_same(phi, **{f"mixes[{j}]": mix})
+    _check_finite(own_delta=own_delta, own_offset=own_offset)
+    _check_finite(**{f"mixes[{j}]": mix for j, mix in enumerate(mixes)})
+    if len(mixes) == 1:
+        term = own_delta * float(beta)  # alone: the gamma term is exactly zero, as in noloco_step
+    else:
+        term = mixes[0].clone()
+        for mix in mixes[1:]:
+            term.add_(mix)
+        term.div_(float(len(mixes)))
+        term.sub_(own_offset * float(gamma))
+    m.mul_(float(alpha))
+    m.add_(term)
+    phi.add_(m)
+    return term
+
+
 def streaming_merge(local: Tensor, new_global: Tensor, alpha: float = 0.5) -> None:
     """Streaming DiLoCo merge, in place: ``local <- alpha * local + (1 - alpha) * new_global``.
 

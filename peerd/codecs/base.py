@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from peerd.codecs.compression import check_level, compress_if_pays, decompress_exact
+from peerd.codecs import hostmem
+from peerd.codecs.compression import check_level, compress_if_pays, decompress_into
 from peerd.codecs.errors import CodecError
 from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, SealedFrame, open_frame, seal_parts
 
@@ -146,14 +147,17 @@ class Codec(ABC):
         if numel == 0:
             return torch.empty(0, dtype=torch.float32, device=target)
         # A private writable copy (or the bounded decompression output) backs the tensor: frames arrive as
-        # read-only bytes, which torch can only wrap with a warning, and fp32 returns this memory as-is.
-        if header.compressed:
-            raw = decompress_exact(stored, header.raw_len)
-        elif isinstance(data, bytearray):
-            raw = stored  # the caller handed over a private writable buffer: wrap it instead of copying 4 B/value
+        # read-only bytes, which torch can only wrap with a warning, and fp32 returns this memory as-is. The
+        # copy goes to memory advised for huge pages: faulting in fresh 4 KiB pages costs more than copying.
+        if isinstance(data, bytearray) and not header.compressed:
+            # The caller handed over a private writable buffer: wrap it instead of copying 4 B/value.
+            body = torch.frombuffer(stored, dtype=torch.uint8)
         else:
-            raw = bytearray(stored)
-        body = torch.frombuffer(raw, dtype=torch.uint8)
+            body = hostmem.empty(header.raw_len, torch.uint8, torch.device("cpu"))
+            if header.compressed:
+                decompress_into(stored, host_byte_view(body))
+            else:
+                host_byte_view(body)[:] = stored
         if target.type != "cpu":
             body = body.to(target)
         return self._decode_body(body, numel)

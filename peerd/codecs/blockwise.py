@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor
 
+from peerd.codecs import hostmem
 from peerd.codecs.base import Codec
 from peerd.codecs.errors import CodecError
 from peerd.codecs.quant import BlockQuantizer
@@ -110,7 +111,7 @@ class BlockwiseCodec(Codec):
         steps = self.quantizer.steps(scales)
         if not bool(torch.isfinite(steps * self.quantizer.max_code).all()):
             raise CodecError(f"{self.name} frame has a block scale that overflows float32 when decoded")
-        out = torch.empty(blocks * block, dtype=torch.float32, device=raw.device)
+        out = hostmem.empty(blocks * block, torch.float32, raw.device)
         rows_out = out.view(blocks, block)
         rows = self._rows_per_chunk(raw.device, blocks)
         invalid = [

@@ -1,6 +1,6 @@
 """zstd on top of a frame body: compress only when it pays, decompress only into a buffer of known size.
 
-``decompress_exact`` never lets the sender size an allocation: the output buffer is the raw length the
+``decompress_into`` never lets the sender size an allocation: the output buffer is the raw length the
 receiver derived from its own expected numel, the zstd frame must declare exactly that content size, the
 decoder's window is capped by it, and the frame's block structure must end exactly at the end of the body
 (no trailing bytes, no second frame). zstandard's one-shot ``decompress`` trusts a declared content size over
@@ -87,8 +87,12 @@ def _frame_length(stored: memoryview, max_blocks: int) -> int:
     raise CodecError(f"zstd frame has more than {max_blocks} blocks for its declared size")
 
 
-def decompress_exact(stored: memoryview, raw_len: int) -> bytearray:
-    """Decompress one zstd frame that must expand to exactly ``raw_len`` bytes (bounded, strict)."""
+def decompress_into(stored: memoryview, out: memoryview) -> None:
+    """Decompress one zstd frame into ``out``, which it must fill exactly (bounded, strict).
+
+    The caller allocates ``out`` from its own expectations, so it can choose memory that is cheap to fault in.
+    """
+    raw_len = len(out)
     if len(stored) < 4 or bytes(stored[:4]) != _ZSTD_MAGIC:
         raise CodecError("compressed body is not a zstd frame (bad zstd magic)")
     try:
@@ -103,14 +107,12 @@ def decompress_exact(stored: memoryview, raw_len: int) -> bytearray:
     if frame_len != len(stored):
         raise CodecError(f"zstd frame is {frame_len} bytes but the body holds {len(stored)}: trailing data")
     window_log = min(_MAX_WINDOW_LOG, max(_MIN_WINDOW_LOG, (raw_len - 1).bit_length()))
-    out = bytearray(raw_len)
     try:
         reader = _decompressor(window_log).stream_reader(stored, read_size=len(stored))
         with reader:
             got = 0
-            view = memoryview(out)
             while got < raw_len:
-                n = reader.readinto(view[got:])
+                n = reader.readinto(out[got:])
                 if n == 0:
                     break
                 got += n
@@ -119,4 +121,3 @@ def decompress_exact(stored: memoryview, raw_len: int) -> bytearray:
         raise CodecError(f"corrupt zstd body: {exc}") from exc
     if got != raw_len or extra:
         raise CodecError(f"zstd body expands to {'more' if extra else got} bytes, expected {raw_len}")
-    return out

@@ -69,8 +69,10 @@ class Int8Quantizer(BlockQuantizer):
         out.view(torch.int8).copy_(t)
 
     def dequantize(self, codes: Tensor, steps: Tensor, out: Tensor) -> Tensor:
+        # Convert, then scale in place: the same two roundings as a mixed int8 * float32 multiply (the int8 to
+        # float32 conversion is exact), but both passes vectorize, where the mixed-dtype kernel is ~40% slower.
         q = codes.view(torch.int8)
-        torch.mul(q, steps.unsqueeze(1), out=out)
+        out.copy_(q).mul_(steps.unsqueeze(1))
         return q.amin() == -128
 
 
@@ -107,6 +109,19 @@ def _pack_nibbles(codes: Tensor, out: Tensor) -> None:
     torch.bitwise_or(pairs & 0x0F, (pairs >> 4) & 0xF0, out=out)
 
 
+def _unpack_int4(codes: Tensor) -> Tensor:
+    """[rows, bytes] packed nibbles to [rows, 2 * bytes] int8 codes in -8..7, low nibble first.
+
+    Integer ops only, ~2x faster on the CPU than a byte lookup table: widening each byte ``16h + l`` to int16
+    and adding ``15 * 16h`` gives ``256h + l``, whose little-endian bytes are ``l, h``; ``(v ^ 8) - 8`` then
+    sign-extends each 4-bit two's complement value.
+    """
+    wide = codes.to(torch.int16)
+    high = wide & 0xF0
+    wide.add_(high.mul_(15))
+    return wide.view(torch.int8).bitwise_xor_(8).sub_(8)
+
+
 def _unpack_with_table(codes: Tensor, table: Tensor, steps: Tensor, out: Tensor) -> Tensor:
     """Look up both nibbles of every byte in a [256, 2] table, scale per block, flag NaN (invalid) codes."""
     torch.index_select(table, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1, 2))
@@ -117,17 +132,6 @@ def _unpack_with_table(codes: Tensor, table: Tensor, steps: Tensor, out: Tensor)
 def _byte_table(nibble_value: Callable[[int], float], device: torch.device) -> Tensor:
     rows = [(nibble_value(b & 15), nibble_value(b >> 4)) for b in range(256)]
     return torch.tensor(rows, dtype=torch.float32, device=device)
-
-
-def _int4_value(code: int) -> float:
-    """Two's complement nibble; -8 is never emitted, so it maps to NaN (rejected on decode)."""
-    q = code - 16 if code >= 8 else code
-    return float("nan") if q == -8 else float(q)
-
-
-@lru_cache(maxsize=16)
-def _int4_table(device: torch.device) -> Tensor:
-    return _byte_table(_int4_value, device)
 
 
 class Int4Quantizer(BlockQuantizer):
@@ -141,7 +145,9 @@ class Int4Quantizer(BlockQuantizer):
         _pack_nibbles(t.to(torch.int8), out)
 
     def dequantize(self, codes: Tensor, steps: Tensor, out: Tensor) -> Tensor:
-        return _unpack_with_table(codes, _int4_table(out.device), steps, out)
+        q = _unpack_int4(codes)
+        out.copy_(q).mul_(steps.unsqueeze(1))  # float(q) * step, exactly what the [256, 2] lookup table gave
+        return q.amin() == -8
 
 
 # e3m0 levels, in units of the block absmax: 0 and 2^-6 .. 2^0. Rounding is to the nearest level in

@@ -25,6 +25,7 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_GATHER: _ClassVar[TensorKind]
     TENSOR_KIND_PHI: _ClassVar[TensorKind]
     TENSOR_KIND_PAIR: _ClassVar[TensorKind]
+    TENSOR_KIND_MIX: _ClassVar[TensorKind]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
@@ -38,6 +39,7 @@ TENSOR_KIND_REDUCE: TensorKind
 TENSOR_KIND_GATHER: TensorKind
 TENSOR_KIND_PHI: TensorKind
 TENSOR_KIND_PAIR: TensorKind
+TENSOR_KIND_MIX: TensorKind
 
 class Auth(_message.Message):
     __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
