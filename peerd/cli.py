@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         help="start from these weights (a peerd checkpoint.pt or a .safetensors state dict) instead of the seed's; "
         "every peer passes the same file (its sha256 is run.init_digest, part of the run id)",
     )
+    p.add_argument(
+        "--procs-per-peer",
+        type=int,
+        default=1,
+        help="run this peer as N local processes (one per GPU; gloo on CPU): data-parallel ranks, one talks to the "
+        "swarm (or start every rank with torchrun instead)",
+    )
     p.add_argument("--log-level", default="INFO")
 
     p = sub.add_parser("status", help="print one peer's view of the run")
@@ -105,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--init-from", help="every peer starts from this checkpoint.pt or .safetensors file")
+    p.add_argument("--procs-per-peer", type=int, default=1, help="run every peer as N local processes (ranks)")
 
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False))
@@ -253,6 +261,23 @@ def _init_digest(cfg: RunConfig, init_from: str | None) -> Path | None:
 
 
 def _start(args: argparse.Namespace) -> int:
+    from peerd import launch
+
+    rank, world = launch.env_rank()
+    if rank > 0:  # torchrun, or our own rank 0, started us as one of this peer's other ranks
+        return launch.run_follower(args)
+    if args.procs_per_peer < 1 or args.procs_per_peer > 64:
+        raise UserError(f"--procs-per-peer must be in [1, 64], got {args.procs_per_peer}")
+    if args.procs_per_peer > 1 and world > 1:
+        raise UserError("--procs-per-peer with torchrun: let torchrun start the ranks (--nproc-per-node), not both")
+    followers = launch.spawn_followers(args, sys.argv[1:]) if args.procs_per_peer > 1 else []
+    try:
+        return _start_rank0(args, launch.join_ranks(args, 0) if followers or world > 1 else None)
+    finally:
+        launch.stop_followers(followers)
+
+
+def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("peerd")
@@ -331,6 +356,7 @@ def _start(args: argparse.Namespace) -> int:
                 shard=args.shard,
                 on_outer_step=_log_outer_step,
                 init_from=init_from,
+                ranks=ranks,  # type: ignore[arg-type]
             )
         except ValueError as exc:  # bad model/data factory, data path, ...
             raise UserError(f"cannot start training: {exc}") from exc

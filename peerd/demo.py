@@ -161,6 +161,9 @@ def _run(args: argparse.Namespace, raw: dict[str, Any], workdir: Path, keep: boo
     t_start = time.monotonic()
     init_from = getattr(args, "init_from", None)
     extra = ["--init-from", str(Path(init_from).resolve())] if init_from else []
+    procs_per_peer = getattr(args, "procs_per_peer", 1) or 1
+    if procs_per_peer > 1:  # every peer runs as that many local ranks (gloo on CPU)
+        extra += ["--procs-per-peer", str(procs_per_peer)]
     try:
         procs.append(start_peer(workdir, 0, config, None, args.peers, extra))
         first = _wait_file(workdir / "peer0" / "address", procs[0], 120)

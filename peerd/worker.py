@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -39,6 +38,7 @@ from trainer.initfrom import InitError, load_init
 from trainer.inner import make_inner_optimizer, rewarm
 from trainer.model import GPT, ModelConfig
 from trainer.plugin import build_model, load_factory
+from trainer.ranks import STOP, SYNC, TRAIN, LocalRanks, RanksError, params_digest, rank_seed
 
 log = logging.getLogger("peerd")
 CHECKPOINT = "checkpoint.pt"
@@ -120,10 +120,13 @@ class Worker:
         shard: int | None = None,
         on_outer_step: Callable[[Worker], None] | None = None,
         init_from: Path | None = None,
+        ranks: LocalRanks | None = None,
     ) -> None:
         """`init_from`: a peerd checkpoint or safetensors file the weights start from (instead of the seed's init);
-        its sha256 must be the spec's run.init_digest, which `peerd start --init-from` sees to."""
+        its sha256 must be the spec's run.init_digest, which `peerd start --init-from` sees to. `ranks`: this peer's
+        other local processes (trainer/ranks.py), when it runs several; this worker is their rank 0."""
         self.cfg = cfg
+        self.ranks = ranks
         self.daemon = daemon
         self.swarm = DaemonSwarm(daemon)
         self.data_dir = Path(data_dir)
@@ -140,7 +143,7 @@ class Worker:
         self.model.to(self.device)
         self.layout = ParamLayout.of(self.model)
         self.seq_len = model_seq_len(self.model, cfg)
-        self.tokens_per_step = cfg.data.batch_size * self.seq_len
+        self.tokens_per_step = cfg.data.batch_size * self.seq_len * (ranks.world if ranks else 1)
         self.domain = cfg.data.domain or cfg.data.path or "stdlib"  # ensembles: this expert's data domain
         vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 256) or 256)
         self.train_data, self.eval_data = build_run_data(cfg, self.seq_len, vocab, cache_dir=self.data_dir)
@@ -149,7 +152,7 @@ class Worker:
         # batches. Batches depend on the run seed and the slot only: two runs with the same seeds see the same data.
         self.slot = shard if shard is not None else int(daemon.identity.peer_id[:8], 16)
         self.shard = self.slot % cfg.data.num_shards
-        seed = int(hashlib.sha256(f"{cfg.run.seed}/{self.slot}".encode()).hexdigest()[:8], 16)
+        seed = rank_seed(cfg.run.seed, self.slot, 0)
         self.gen = torch.Generator().manual_seed(seed)
         # The schedule comes from the spec (inner.total_steps), never from run.outer_steps, which is local: peers may
         # stop at different times but must all follow one schedule. Default: constant after warmup. Trained weights
@@ -312,23 +315,52 @@ class Worker:
         self.publish()
         if not stop.is_set():
             self.catch_up()
+        self.sync_ranks()  # resumed, downloaded or initialised from a file: every rank starts from our state
         target = self.cfg.run.outer_steps
         while not stop.is_set():
             if target > 0 and self.outer_step >= target:
                 if not self.linger(stop):
                     break
+                self.sync_ranks()  # a state adopted while lingering
                 continue
             self.train_one_inner_step()
+            mark = self._fingerprint()
             done = self.algorithm.after_inner_step(self, self.inner_step - 1)
+            if self.ranks is not None and self._fingerprint() != mark:  # the algorithm changed the model
+                self.sync_ranks()
             if done is not None:
                 self.advance(done)
                 self.finish_outer_step(publish=not done.published)
         self.daemon.status.finished = target > 0 and self.outer_step >= target
         self.algorithm.close()
         self.save()
+        self.stop_ranks()
+
+    # -- the peer's other local processes (trainer/ranks.py) --------------------------------------------------------
+    def _fingerprint(self) -> float | None:
+        """A cheap sample of the weights: any outer step, download or merge rewrites whole tensors, so it moves."""
+        if self.ranks is None:
+            return None
+        with torch.no_grad():
+            return float(sum(p.detach().reshape(-1)[::97].double().sum() for p in self.model.parameters()))
+
+    def sync_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.command(SYNC)
+            self.ranks.sync(self.model, self.opt, self.sched)
+
+    def stop_ranks(self) -> None:
+        """Tell the other ranks to stop (each writes its weights' digest, as we do, so tests can compare them)."""
+        if self.ranks is None:
+            return
+        with contextlib.suppress(RanksError):
+            self.ranks.command(STOP)
+        (self.data_dir / "rank0.digest").write_text(params_digest(self.model))
 
     def train_one_inner_step(self) -> None:
         t0 = time.perf_counter()
+        if self.ranks is not None:
+            self.ranks.command(TRAIN)
         self.model.train()
         x, y = self.train_data.batch(
             self.cfg.data.batch_size, shard=self.shard, num_shards=self.cfg.data.num_shards, generator=self.gen
@@ -339,6 +371,8 @@ class Worker:
             _, loss = self.model(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.ranks is not None:  # data-parallel inside the peer: every rank takes the same step
+            self.ranks.average_grads(self.model)
         done = self.algorithm.before_optimizer_step(self)
         if done is not None:  # the DDP baseline completes a step per inner step
             self.advance(done)
@@ -357,7 +391,7 @@ class Worker:
         st = self.daemon.status
         st.compute_seconds += dt
         st.inner_step = self.inner_step
-        tokens = x.numel()
+        tokens = x.numel() * (self.ranks.world if self.ranks is not None else 1)
         st.tokens_per_second = tokens / dt if dt > 0 else 0.0
         m = self.daemon.metrics
         if m is not None:
@@ -463,6 +497,7 @@ class Worker:
             "carried_steps": getattr(self.algorithm, "carried_steps", 0),
             "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),
             "tokens_per_step": self.tokens_per_step,
+            "procs_per_peer": self.ranks.world if self.ranks is not None else 1,
             # the swarm's timing verdicts (peerd/timings.py) as this peer last saw them, and when each began
             "flags": {kind: sorted(peers) for kind, peers in self.daemon.timing.flagged.items()},
             "flagged_at_step": dict(self.daemon.timing.flagged_at),
