@@ -12,8 +12,8 @@ on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inn
 - `drop`: the 3 fast peers only, fixed H: nobody waits, the slow peer's compute is not used
 - `window`: the slow peer in, `inner.window_s` = H x the fast step: as many steps as fit, token-weighted rounds,
   late work carried (`outer.late_work = "carry"`); `window-discard`: the same, late work dropped
-- `straggle-carry` / `straggle-discard`: a straggler whose every inner step takes 40% of a window, so it often
-  misses the round: the staleness cost of carrying its work against dropping it
+- `straggle-carry` / `straggle-discard`: a straggler whose every inner step takes `--straggle-frac` (0.4) of a
+  window, so it may miss rounds: the staleness cost of carrying its work against dropping it
 
 Link family (root: network namespaces with tbf, bench/slowlink.py): one peer's link 10x slower both ways than the
 others' (`--link-mbit`), scenarios `uniform-net`, `slowlink` (fixed H) and `slowlink-window`.
@@ -188,9 +188,9 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
         ]
         if not args.quick:
             out.append(Scenario("window-discard", PEERS, slow_env, window_s=window, late_work="discard"))
-            # A straggler: each of its inner steps takes 40% of a window, so it often finishes past the leader's
-            # grace and finds the round gone: what carrying its work costs (staleness) against dropping it.
-            straggler = {"PEERD_FAULT_STEP_DELAY_S": f"{0.4 * window:.3f}"}
+            # A straggler: each of its inner steps takes `--straggle-frac` of a window, so it often finishes past the
+            # leader's grace and finds the round gone: what carrying its work costs (staleness) against dropping it.
+            straggler = {"PEERD_FAULT_STEP_DELAY_S": f"{args.straggle_frac * window:.3f}"}
             out.append(Scenario("straggle-carry", PEERS, straggler, window_s=window))
             out.append(Scenario("straggle-discard", PEERS, straggler, window_s=window, late_work="discard"))
     if "link" in args.family:
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--link-mbit", type=float, default=20.0, help="the fast links' rate; the slow one gets a tenth")
+    ap.add_argument("--straggle-frac", type=float, default=0.4, help="the straggler's inner step / the window")
     ap.add_argument("--only", type=lambda v: set(v.split(",")), default=set(), help="run only these scenarios")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
