@@ -8,8 +8,8 @@ for every codec:
 
 1. N real daemons (TLS on unless --plaintext), one per namespace, average a random vector of --params fp32 values
    for one warm-up round plus --repeats rounds, with a pause (--gap, 1.5 s) between rounds so TCP starts each round
-   from an idle connection, as DiLoCo's rounds (minutes of compute apart) do. A round's time is the time of the
-   member that joined it last (the others were waiting for it in rendezvous), rendezvous included.
+   from an idle connection, as DiLoCo's rounds (minutes of compute apart) do. A round's time runs from the last
+   member's call (the others wait for it in rendezvous) to the last member's return, rendezvous included.
 2. Raw TCP in the same namespaces: every pair of peers opens one TCP connection and sends, in both directions at
    once, the bytes one peer sent that other peer during the round (the median of the codec's wire bytes per peer,
    split evenly over its n-1 partners), timed from "go" to the last byte received by anyone. --repeats times,
@@ -118,11 +118,12 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for step in range(args.rounds):
         time.sleep(args.gap)
-        t0 = time.perf_counter()
+        start = time.time()  # wall clock: the peers share this machine's, so starts and ends compare across them
         result = daemon.allreduce(step, vector)
         rows.append(
             {
-                "wall": time.perf_counter() - t0,
+                "start": start,
+                "end": time.time(),
                 "reduce": result.stats.seconds,
                 "sent": result.stats.wire_bytes,
                 "received": result.stats.received_wire_bytes,
@@ -202,7 +203,10 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
             with tempfile.TemporaryDirectory(prefix="peerd-bench-wire-") as tmp:
                 results = run_rounds(net, n, codec, args, Path(tmp))
             rounds = range(1, args.repeats + 1)  # round 0 is the warm-up
-            wall = statistics.median(min(r[k]["wall"] for r in results) for k in rounds)
+            # from the last member's start (the others wait for it in rendezvous) to the last member's end
+            wall = statistics.median(
+                max(r[k]["end"] for r in results) - max(r[k]["start"] for r in results) for k in rounds
+            )
             reduce = statistics.median(max(r[k]["reduce"] for r in results) for k in rounds)
             sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
             per_pair = sent // (n - 1)
@@ -256,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"bench.wire needs network namespaces: {reason}", file=sys.stderr)
         return 2
+    links = "plaintext" if args.plaintext else "TLS"
     print(
-        f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {'plaintext' if args.plaintext else 'TLS'}"
-        f", medians of {args.repeats}; raw TCP = one connection per pair moving the same bytes both ways at once"
+        f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {links}, medians of "
+        f"{args.repeats}; raw TCP = one connection per pair moving the same bytes both ways at once"
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
           f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8}")  # fmt: skip
