@@ -47,6 +47,7 @@ PART_BYTES = MAX_CHUNK
 """Most bytes one part's frame may take: an owner averages and returns a shard part by part, so the gather starts
 after one part has arrived from every member instead of after the whole shard."""
 MAX_PART_ELEMS = 1 << 40
+BLAME_GRACE_S = 0.5
 
 
 class RoundFailed(RuntimeError):
@@ -207,6 +208,7 @@ class ReduceRound:
         self.reduced: asyncio.Future[None] = loop.create_future()  # every part averaged and screened
         self._left = n_parts  # parts not averaged yet
         self._tasks: set[asyncio.Future] = set()
+        self._sent: set[int] = set()  # shards whose every part we handed to grpc
         # -- every shard (member side): the averaged parts' squares, for the replies' screening
         self.reply_sumsq: list[list[float]] = [[0.0] * len(p) for p in self.parts]
         self.average: torch.Tensor | None = None  # allocated in run(), filled part by part as averages are known
@@ -432,6 +434,11 @@ class ReduceRound:
                 # failure anywhere in the group reaches every member in one round trip.
                 done, pending = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
                 failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
+                if failed and pending and not any(isinstance(e, RoundFailed) and e.suspects for e in failed):
+                    # A stream that broke off names nobody; another owner's abort, a moment later, may name whom
+                    # to leave out of the retry (the group must retry alike on every member)
+                    more, _ = await asyncio.wait(pending, timeout=BLAME_GRACE_S, return_when=asyncio.FIRST_EXCEPTION)
+                    failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
                 if failed:
                     raise next((e for e in failed if isinstance(e, RoundFailed) and e.suspects), failed[0])
                 if pending:
@@ -531,6 +538,7 @@ class ReduceRound:
             self.stats.raw_bytes += 4 * (hi - lo)
             for msg in msgs:
                 yield msg
+        self._sent.add(j)
 
     async def _exchange(self, j: int, stub_for: StubFor, verifier: Verifier) -> None:
         member = self.group.members[self.owners[j]]
@@ -567,6 +575,10 @@ class ReduceRound:
                 others = set(self.ids) - {pid, self.identity.peer_id}
                 named = relayed_suspects(exc.trailing_metadata(), others)
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
+            if exc.code() == grpc.StatusCode.INTERNAL and j not in self._sent:
+                # The owner ended the stream (an abort) while our parts were still going out: grpc then reports
+                # its own failed write, not the owner's status, so this names nobody rather than blaming the owner
+                raise RoundFailed(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
             raise RoundFailed(
                 f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}", {pid}, "peer_lost"
             ) from exc
