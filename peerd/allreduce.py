@@ -149,6 +149,11 @@ def part_messages(
     return msgs, msgs[-1].trailer.digest
 
 
+def _own_evidence(exc: BaseException) -> bool:
+    """A failure that names suspects on what we saw ourselves, not on another member's word."""
+    return isinstance(exc, RoundFailed) and bool(exc.suspects) and exc.reason != "aborted"
+
+
 StubFor = Callable[[pb.PeerInfo], object]  # returns a RoundsStub for a member
 
 
@@ -361,6 +366,7 @@ class ReduceRound:
         finally:
             if not reader.done():
                 reader.cancel()
+            reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: the round failed anyway
 
     async def _until(self, fut: asyncio.Future, reader: asyncio.Future) -> object:
         """`fut`'s result, failing at once if the stream's reader failed or the round's deadline passed."""
@@ -434,13 +440,15 @@ class ReduceRound:
                 # failure anywhere in the group reaches every member in one round trip.
                 done, pending = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
                 failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
-                if failed and pending and not any(isinstance(e, RoundFailed) and e.suspects for e in failed):
-                    # A stream that broke off names nobody; another owner's abort, a moment later, may name whom
-                    # to leave out of the retry (the group must retry alike on every member)
+                if failed and pending and not any(_own_evidence(e) for e in failed):
+                    # A stream that broke off names nobody, and another member's abort names whom *it* blames (a
+                    # hostile owner may name an honest peer): our own evidence, a moment later, is worth waiting
+                    # for, so that every honest member leaves the same peer out of the retry
                     more, _ = await asyncio.wait(pending, timeout=BLAME_GRACE_S, return_when=asyncio.FIRST_EXCEPTION)
                     failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
                 if failed:
-                    raise next((e for e in failed if isinstance(e, RoundFailed) and e.suspects), failed[0])
+                    named = [e for e in failed if isinstance(e, RoundFailed) and e.suspects]
+                    raise next((e for e in named if _own_evidence(e)), named[0] if named else failed[0])
                 if pending:
                     raise TimeoutError
             except BaseException:
@@ -496,7 +504,7 @@ class ReduceRound:
             frame = self.codec.encode_frame(x.contiguous())
             if self._decoded is not None:  # for error feedback
                 self._decoded[lo:hi] = self.codec.decode(bytes(frame), hi - lo)
-        return frame if j == self.me else faults.corrupt(frame)
+        return frame if j == self.me else faults.corrupt(frame, k)
 
     async def _feed_own(self) -> None:
         """Our own contribution to our shard, part by part (a lossless codec's: our vector itself, not a frame)."""
