@@ -196,12 +196,18 @@ def raw_tcp(net: SlowLinkNet, n: int, nbytes: int) -> float:
     return max(times)
 
 
+def _drops(net: SlowLinkNet, n: int) -> int:
+    return sum(net.qdisc_stats(i)["drops"] for i in range(n))
+
+
 def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with SlowLinkNet(n, rate) as net:
         for codec in args.codecs.split(","):
+            d0 = _drops(net, n)
             with tempfile.TemporaryDirectory(prefix="peerd-bench-wire-") as tmp:
                 results = run_rounds(net, n, codec, args, Path(tmp))
+            d1 = _drops(net, n)
             rounds = range(1, args.repeats + 1)  # round 0 is the warm-up
             # from the last member's start (the others wait for it in rendezvous) to the last member's end
             wall = statistics.median(
@@ -211,18 +217,20 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
             sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
             per_pair = sent // (n - 1)
             raw = statistics.median(raw_tcp(net, n, per_pair) for _ in range(args.repeats))
+            d2 = _drops(net, n)
             limit = sent * 8 / (rate * 1e6)  # this peer's uplink busy the whole time
             row = {
                 "peers": n, "rate_mbit": rate, "codec": codec, "params": args.params, "sent_mb_per_peer": sent / 1e6,
                 "round_s": wall, "reduce_s": reduce, "raw_tcp_s": raw, "link_limit_s": limit,
                 "round_vs_raw": raw / wall, "reduce_vs_raw": raw / reduce, "round_vs_rate": limit / wall,
-                "raw_vs_rate": limit / raw,
+                "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
+                "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
             }  # fmt: skip
             rows.append(row)
             print(
                 f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
                 f"{row['round_vs_raw']:>9.3f} {row['reduce_vs_raw']:>10.3f} {row['round_vs_rate']:>9.3f} "
-                f"{row['raw_vs_rate']:>8.3f}",
+                f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f}",
                 flush=True,
             )
     return rows
@@ -266,13 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats}; raw TCP = one connection per pair moving the same bytes both ways at once"
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
-          f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8}")  # fmt: skip
+          f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8} {'drops/r':>7} "
+          f"{'drops/t':>7}")  # fmt: skip
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
         for rate in (float(x) for x in args.rates.split(",")):
             rows += measure(n, rate, args)
     print("round/raw: raw-TCP seconds over round seconds (goodput as a fraction of raw TCP's); lim: the uplink's")
-    print("time for the bytes at the shaped rate (TCP/IP headers alone cap raw/lim at ~0.956)")
+    print("time for the bytes at the shaped rate (TCP/IP headers alone cap raw/lim at ~0.956); drops: tbf drops on all")
+    print("uplinks per round (r) and per raw-TCP run (t)")
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -18,7 +18,7 @@ from peerd.codecs import make_codec
 from tests.swarm import ids_in_order
 
 REPO = Path(__file__).resolve().parent.parent
-NUMEL = 3_000_000  # 12 MB of fp32: 3 shards of 4 MB, each 4 parts of at most 1 MiB
+NUMEL = 1_500_000  # 6 MB of fp32: 3 shards of 2 MB, each 8 parts of at most 256 KiB
 
 # One peer: join, wait for the others, average its seeded vector once, save the result.
 _WORKER = textwrap.dedent(
