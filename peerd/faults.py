@@ -31,11 +31,14 @@ def _env(name: str) -> str:
 # Flip bytes in every encoded payload this peer sends in a round (after encoding, before signing the stream), so
 # the stream checks out but the frame's checksum does not: the receiver must refuse it and the round go on without us.
 CORRUPT_PAYLOADS = _env("PEERD_FAULT_CORRUPT_PAYLOADS") == "1"
+# With PEERD_FAULT_CORRUPT_FROM_PART=k only a Reduce stream's parts k, k+1, ... (peerd/allreduce.py): a stream that
+# goes bad after the owner already returned averaged parts.
+CORRUPT_FROM_PART = int(_env("PEERD_FAULT_CORRUPT_FROM_PART") or 0)
 
 
-def corrupt(payload: T) -> T | bytes:
+def corrupt(payload: T, part: int = 0) -> T | bytes:
     """Flip a few bytes in the middle of an encoded frame (bytes, or a codec's SealedFrame); unchanged unless on."""
-    if not CORRUPT_PAYLOADS or len(payload) < 64:
+    if not CORRUPT_PAYLOADS or part < CORRUPT_FROM_PART or len(payload) < 64:
         return payload
     buf = bytearray(bytes(payload))
     mid = len(buf) // 2

@@ -91,8 +91,12 @@ class ContributionGuard:
 
     def screen(self, fragment: int, me: int, contribs: Sequence[torch.Tensor]) -> None:
         """Raise ContributionRejected naming every contribution whose norm is out of bounds; records our own."""
-        own = rms(contribs[me])
-        norms = [rms(c) for c in contribs]
+        self.screen_norms(fragment, me, [rms(c) for c in contribs])
+
+    def screen_norms(self, fragment: int, me: int, norms: Sequence[float]) -> None:
+        """`screen` on the contributions' RMS norms alone: a pipelined round (peerd/allreduce.py) sums each
+        contribution's squares part by part as the parts arrive, and screens the whole before its last part leaves."""
+        own = norms[me]
         ref = max(self.reference(fragment, own), lower_median(norms) if len(norms) >= 3 else 0.0)
         self.record_own(fragment, own)
         bad = [i for i, n in enumerate(norms) if i != me and self.too_large(n, ref)]
@@ -105,9 +109,12 @@ class ContributionGuard:
     def screen_replies(self, me: int, replies: Sequence[torch.Tensor]) -> list[int]:
         """Member side: indices of averaged shards (other owners' only) far above the lower median of all of them.
         Depends only on the bytes every member received alike, so all members agree."""
-        if len(replies) < 3 or not self.compare_shards:
+        return self.screen_reply_norms(me, [rms(r) for r in replies])
+
+    def screen_reply_norms(self, me: int, norms: Sequence[float]) -> list[int]:
+        """`screen_replies` on the averaged shards' RMS norms alone."""
+        if len(norms) < 3 or not self.compare_shards:
             return []
-        norms = [rms(r) for r in replies]
         ref = lower_median(norms)
         return [j for j, n in enumerate(norms) if j != me and self.too_large(n, ref)]
 
@@ -142,16 +149,29 @@ class ContributionGuard:
                 bad[pid] = f"slow weights {gap:.3g} from ours, over {self.max_norm_ratio:g} x {gap_ref:.3g}"
         return bad
 
-    def aggregate(self, contribs: Sequence[torch.Tensor], private: Sequence[bool] | None = None) -> torch.Tensor:
+    @property
+    def needs_whole(self) -> bool:
+        """Whether aggregating a part needs every contribution whole first (the clipped mean scales each by its
+        whole norm); the mean and the coordinate-wise trimmed mean work part by part."""
+        return self.aggregation == "clipped_mean"
+
+    def aggregate(
+        self,
+        contribs: Sequence[torch.Tensor],
+        private: Sequence[bool] | None = None,
+        norms: Sequence[float] | None = None,
+    ) -> torch.Tensor:
         """Deterministic fp32 aggregate in member order. `private[i]` says contribution i's memory is ours to
-        overwrite (the plain mean then sums in place)."""
+        overwrite (the plain mean then sums in place). `norms`: the contributions' whole L2 norms when `contribs` are
+        parts of them (for the clipped mean)."""
         n = len(contribs)
         if self.aggregation == "trimmed_mean" and n >= 3:
             k = min(max(1, int(n * self.trim_fraction)), (n - 1) // 2)
             ordered, _ = torch.sort(torch.stack(list(contribs)), dim=0)
             return ordered[k : n - k].mean(dim=0)
         if self.aggregation == "clipped_mean":
-            norms = [float(torch.linalg.vector_norm(c)) for c in contribs]
+            if norms is None:
+                norms = [float(torch.linalg.vector_norm(c)) for c in contribs]
             bound = self.clip_ratio * statistics.median(norms)
             acc = torch.zeros_like(contribs[0])
             for c, norm in zip(contribs, norms, strict=True):

@@ -310,7 +310,12 @@ class RoundClient:
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, [m.peer_id for m in group.members])
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
-            self.observe_timings(group, rnd.arrival_s, rnd.stream_s, rnd.reply_s)
+            # a member's slowest stream to us: its contribution to our shard, or its averaged shard back
+            streams = dict(rnd.stream_s)
+            for pid, (sec, n) in rnd.reply_stream_s.items():
+                if pid not in streams or n / max(sec, 1e-6) < streams[pid][1] / max(streams[pid][0], 1e-6):
+                    streams[pid] = (sec, n)
+            self.observe_timings(group, rnd.arrival_s, streams, rnd.reply_s)
             self.no_lead = set(group.no_shards)
             return result
         raise RoundFailed(f"round for step {step} failed {attempt + 1} times")

@@ -2,8 +2,10 @@
 
 The header is signed like any request (peerd/envelope.py). The trailer signs a SHA-256 digest of the header's
 signature and every payload byte, so a peer cannot splice someone else's chunks into its stream, and a receiver never
-uses a payload before the whole of it checked out. The receiver learns the payload size from the header and refuses
-it before allocating anything when it exceeds what the round's layout allows.
+uses a payload before the whole of it checked out. A stream that carries several tensors in a row (a Reduce stream's
+parts) chains them: each digest starts from the previous one (`chain`), so the last trailer covers the whole stream.
+The receiver learns the payload size from the header and refuses it before allocating anything when it exceeds what
+the round's layout allows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ReceivedTensor:
     sender: str
     header: pb.TensorHeader
     payload: bytearray
+    digest: bytes = b""  # the signed digest: the next tensor's `chain` on a stream that carries several
 
 
 def tensor_messages(
@@ -43,14 +46,15 @@ def tensor_messages(
     identity: Identity,
     run_id: bytes,
     chunk_bytes: int = MAX_CHUNK,
+    chain: bytes = b"",
 ) -> Iterator[pb.TensorMessage]:
     """Yield the messages that carry `payload` (already encoded by a codec) under a signed header. A SealedFrame is
-    streamed from its parts, never joined into one buffer."""
+    streamed from its parts, never joined into one buffer. `chain`: the previous tensor's digest on this stream."""
     frame = payload if isinstance(payload, SealedFrame) else SealedFrame((b"", payload, b""))
     header.wire_bytes = len(frame)
     sign(header, HEADER_METHOD, identity, run_id)
     yield pb.TensorMessage(header=header)
-    h = hashlib.sha256(header.auth.signature)
+    h = _digest_start(chain, header)
     for chunk in frame.chunks(chunk_bytes):
         h.update(chunk)
         yield pb.TensorMessage(chunk=chunk)
@@ -63,11 +67,13 @@ async def read_tensor(
     verifier: Verifier,
     max_wire_bytes: int | Callable[[str, pb.TensorHeader], Awaitable[int]],
     verified_sender: str | None = None,
+    chain: bytes = b"",
 ) -> ReceivedTensor:
     """Read one header/chunks/trailer sequence from `messages`, checking signature, sizes and digest.
 
     `verified_sender` is for a caller that already checked the first header's envelope (to route the stream before
-    reading it); the header is then not verified again, which the replay guard would refuse.
+    reading it); the header is then not verified again, which the replay guard would refuse. `chain`: the previous
+    tensor's digest on this stream (ReceivedTensor.digest), for streams that carry several.
 
     `max_wire_bytes` may be a coroutine function of (sender, header) so the limit can come from the round the header
     names; it raises StreamError to refuse the stream outright.
@@ -78,7 +84,7 @@ async def read_tensor(
     header = first.header
     sender = verified_sender or verify_header(verifier, header)
     try:
-        return await _read_body(messages, header, sender, max_wire_bytes)
+        return await _read_body(messages, header, sender, max_wire_bytes, chain)
     except StreamError as exc:
         exc.sender = exc.sender or sender
         raise
@@ -89,6 +95,7 @@ async def _read_body(
     header: pb.TensorHeader,
     sender: str,
     max_wire_bytes: int | Callable[[str, pb.TensorHeader], Awaitable[int]],
+    chain: bytes,
 ) -> ReceivedTensor:
     limit = max_wire_bytes if isinstance(max_wire_bytes, int) else await max_wire_bytes(sender, header)
     if header.wire_bytes > limit:
@@ -98,7 +105,7 @@ async def _read_body(
     buf = bytearray(header.wire_bytes)
     view = memoryview(buf)
     filled = 0
-    h = hashlib.sha256(header.auth.signature)
+    h = _digest_start(chain, header)
     while True:
         msg = await _next(messages, "chunk or trailer")
         part = msg.WhichOneof("part")
@@ -121,7 +128,13 @@ async def _read_body(
     digest = h.digest()
     if msg.trailer.digest != digest or not verify(header.auth.public_key, msg.trailer.signature, digest):
         raise StreamError("bad_signature", "tensor payload does not match the sender's signed digest")
-    return ReceivedTensor(sender, header, buf)
+    return ReceivedTensor(sender, header, buf, digest)
+
+
+def _digest_start(chain: bytes, header: pb.TensorHeader) -> hashlib._Hash:
+    h = hashlib.sha256(chain)
+    h.update(header.auth.signature)
+    return h
 
 
 def verify_header(verifier: Verifier, header: pb.TensorHeader) -> str:

@@ -370,7 +370,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind")
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class TensorHeader(_message.Message):
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     round_id: bytes
     shard: int
@@ -387,7 +388,8 @@ class TensorHeader(_message.Message):
     included: _containers.RepeatedScalarFieldContainer[str]
     codec: Codec
     kind: TensorKind
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ...) -> None: ...
+    part: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ...) -> None: ...
 
 class TensorTrailer(_message.Message):
     __slots__ = ("digest", "signature")

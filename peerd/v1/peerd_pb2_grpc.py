@@ -369,10 +369,15 @@ class RoundsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reduce(self, request_iterator, context):
-        """One stream per (member, shard owner), deadline: what is left of network.round_timeout. Member -> owner: header
-        (kind REDUCE, shard = the owner's index), chunks, trailer. Owner -> member, once every contribution arrived and was
-        summed: header (kind GATHER, included = whose contributions it averages), chunks, trailer: the same bytes to
-        every member. If the round fails on the owner (a contribution broke off, was refused, or timed out), the owner
+        """One stream per (member, shard owner), deadline: what is left of network.round_timeout. The shard is cut into
+        parts of at most 256 KiB of encoded data (one block at least), on the codec's block boundaries (peerd/allreduce.py part_bounds: both sides
+        derive them from the round's layout), each part its own codec frame. Member -> owner, for every part k in order:
+        header (kind REDUCE, shard = the owner's index, part = k, numel = the part's), chunks, trailer. Owner -> member,
+        part k as soon as every member's part k arrived and was summed: header (kind GATHER, part = k, included = whose
+        contributions it averages), chunks, trailer: the same bytes to every member. Each trailer's digest starts from the
+        previous part's digest on that stream (peerd/streams.py), so the last one covers the whole stream. The owner
+        sends the last part only after screening every whole contribution (peerd/robust.py). If the round fails on the
+        owner (a contribution broke off, was refused, or timed out), the owner
         ends every stream of the round with ABORTED and trailing metadata `peerd-suspects`: comma-separated peer ids it
         blames (peerd/allreduce.py suspects_metadata); members skip them in the retry, as another member's word, not as
         proof. INVALID_ARGUMENT: this stream itself was malformed; PERMISSION_DENIED: the sender is banned or not admitted.
