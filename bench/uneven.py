@@ -75,7 +75,7 @@ class Outcome:
 
 def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
     raw: dict[str, Any] = {
-        "run": {"name": "uneven", "algorithm": "diloco", "outer_steps": 100000, "seed": seed},
+        "run": {"name": "uneven", "algorithm": args.algorithm, "outer_steps": 100000, "seed": seed},
         "model": {"preset": "tiny"},
         "data": {"batch_size": args.batch_size, "eval_batches": 2},
         "inner": {"steps": args.H, "warmup_steps": 10, "window_s": sc.window_s},
@@ -83,6 +83,8 @@ def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "network": dict(NETWORK),
         "checkpoint": {"every": 1},
     }
+    if args.algorithm == "streaming":
+        raw["streaming"] = {"fragments": 2}
     RunConfig.from_dict(raw)
     return raw
 
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--link-mbit", type=float, default=20.0, help="the fast links' rate; the slow one gets a tenth")
+    ap.add_argument("--algorithm", default="diloco", choices=["diloco", "streaming"], help="for every scenario")
     ap.add_argument("--straggle-frac", type=float, default=0.4, help="the straggler's inner step / the window")
     ap.add_argument("--only", type=lambda v: set(v.split(",")), default=set(), help="run only these scenarios")
     ap.add_argument("--json", action="store_true")

@@ -336,6 +336,10 @@ class RoundClient:
         # contribution reaching our shard late, its averaged shard reaching us late (a slow uplink). Summed, a slow
         # owner hid behind the others, who join late because its averaged shard reached them late.
         lag_s = {pid: ms / 1000.0 for pid, ms in zip(ids, lags, strict=True)}
+        if group.fragment >= 0:
+            # Streaming: a fragment round starts when each peer's schedule reaches it, which differs by design (a
+            # peer that waited longer at its cycle boundary starts later): joining late there is no sign of slowness
+            lag_s = {}
         tokens = dict(zip(ids, group.tokens, strict=True)) if len(group.tokens) == len(ids) else None
         timing = self.d.timing.local
         streams = stream_s or {}
@@ -357,7 +361,7 @@ class RoundClient:
                 if tokens[me] * timing.ratio < others[len(others) // 2]
                 else ""
             )
-        if not self.self_evidence and len(ids) >= 3:  # compute: we join the rounds last
+        if not self.self_evidence and len(lag_s) >= 3:  # compute: we join the rounds last
             mine, rest = lag_s[me], sorted(v for pid, v in lag_s.items() if pid != me)
             if mine > 0.5 and mine > timing.lag_ratio * rest[len(rest) // 2]:
                 self.self_evidence = f"your contribution comes last: {mine:.1f} s after the others' median"
