@@ -77,7 +77,8 @@ class RendezvousLeader:
         self.my_step = my_step
         self.pending: dict[Key, _Pending] = {}
         self.closed: dict[Key, pb.Group] = {}
-        self.refused: dict[Key, set[str]] = {}  # the leader's own blame, kept across generations
+        self.refused: dict[Key, set[str]] = {}  # kept out of the key's groups, across generations
+        self.blamers: dict[Key, dict[str, set[str]]] = {}  # suspect -> the joiners that named it, per key
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
 
     async def join(
@@ -110,12 +111,16 @@ class RendezvousLeader:
             if fragment < 0 and behind_me:
                 return pb.RendezvousResponse(behind=self.my_step())
             pend = self._open(key, 0 if done is None else done.attempt + 1, suspects)
-        if info.peer_id == self.membership.self_id:
-            # The leader's own blame (from its failed attempts at this step) keeps those peers out of the group even
-            # if they ask to join: a corrupt sender otherwise rejoined every retry until it was banned. A joiner's
-            # blame only stops us waiting for the peer it names, so a hostile joiner cannot exclude anyone.
-            refused = self.refused.setdefault(key, set())
-            refused |= set(suspects) - {info.peer_id}
+        # Who is kept out of the group even if it asks to join: a peer the leader blames (from its own failed
+        # attempts at this step), or one that two members blame on their own evidence. A corrupt sender otherwise
+        # rejoined every retry until it was banned. One joiner's word only stops us waiting for the peer it names,
+        # so a single hostile member cannot exclude anyone.
+        blamers = self.blamers.setdefault(key, {})
+        for pid in set(suspects[:64]) - {info.peer_id}:  # a bounded word: a group is never that large
+            blamers.setdefault(pid, set()).add(info.peer_id)
+        refused = self.refused.setdefault(key, set())
+        refused |= {p for p, by in blamers.items() if self.membership.self_id in by or len(by) >= 2}
+        if refused - pend.refused:
             pend.refused |= refused
             for pid in pend.refused:
                 pend.joined.pop(pid, None)
@@ -212,8 +217,16 @@ class RendezvousLeader:
         pend = self.pending.pop(key, None)
         if pend is None or pend.result is None or pend.result.done():
             return
-        members = sorted(pend.joined.values(), key=lambda p: p.peer_id)
         step, fragment, _ = key
+        if fragment < 0:
+            # At least as many live peers are past this step as have joined: the swarm went on under another leader
+            # (its view of who may lead differed from ours, e.g. about a peer on a slow link). Closing with the few
+            # that came made them train alone on a fork; empty, they download the swarm's state instead.
+            m = self.membership
+            ahead = sum(1 for p in m.alive() if p.peer_id != m.self_id and m.step_of(p) > step)
+            if ahead >= len(pend.joined):
+                pend.joined.clear()
+        members = sorted(pend.joined.values(), key=lambda p: p.peer_id)
         group = pb.Group(
             step=step,
             attempt=pend.generation,
@@ -234,6 +247,7 @@ class RendezvousLeader:
             for old in sorted(self.closed)[:64]:
                 del self.closed[old]
                 self.refused.pop(old, None)
+                self.blamers.pop(old, None)
         pend.result.set_result(group)
 
 

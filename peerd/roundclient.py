@@ -102,13 +102,12 @@ class RoundClient:
         step: int,
         fragment: int,
         attempt: int,
-        suspects: set[str],
-        failed_round: bytes,
         avoid: set[str],
+        failed_round: bytes,
         tokens: int = 0,
     ) -> pb.RendezvousResponse:
-        """Find the round's leader and join its group. `suspects` go to the leader (it stops waiting for them);
-        `avoid` (peers we have our own evidence against) are also skipped as leaders."""
+        """Find the round's leader and join its group. `avoid` (peers we blame on our own evidence) are skipped as
+        leaders and named to the leader, which stops waiting for them."""
         assert self.d.leader is not None and self.d.channels is not None
         tried = set(avoid)
         gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
@@ -134,15 +133,18 @@ class RoundClient:
                     target = lower if lower is not None and lower.peer_id < target.peer_id else target
             if target.peer_id == self.d.identity.peer_id:
                 lineage = bytes(self.d.me.state_digest) if self.d.ranked else b""
+                # As our own leader we act only on our own evidence (`avoid`): a member that aborts a round may name
+                # any peer, and a hostile one named a different honest peer on each retry until the leader refused
+                # them all and closed a group of one (a fork, seen in CI).
                 return await self.d.leader.join(
-                    step, fragment, self.d.me, sorted(suspects), failed_round, False, lineage, tokens
+                    step, fragment, self.d.me, sorted(avoid | gone), failed_round, False, lineage, tokens
                 )
             mine = self.d.my_claim()
             req = sign(
                 pb.RendezvousRequest(
                     step=step,
                     attempt=attempt,
-                    suspects=sorted(suspects | gone),
+                    suspects=sorted(avoid | gone),
                     fragment=fragment,
                     failed_round=failed_round,
                     work=mine.work,
@@ -248,13 +250,14 @@ class RoundClient:
         """Average `vector` over the round's group, weighted by `tokens` (the work behind it) when every member
         claimed some: each member scales its own contribution by tokens_i / mean(tokens), so the owners' plain mean
         is the token-weighted mean and nothing on the wire changes."""
-        suspects: set[str] = set()  # everyone blamed for a failed attempt: the leader stops waiting for them
-        avoid: set[str] = set()  # of those, the ones we blame on our own evidence: not even asked to lead
+        # Peers we blame for a failed attempt on our own evidence: not asked to lead, and named to the leader (it
+        # stops waiting for them). Another member's word ("aborted") is neither: a hostile member may name any peer.
+        avoid: set[str] = set()
         failed_round = b""
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, suspects, failed_round, avoid, tokens)
+            resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
@@ -288,10 +291,10 @@ class RoundClient:
                 if self.d.metrics is not None:
                     self.d.metrics.record_failure(exc.reason)
                     self.d.metrics.record_round("failed", peers=0, total_seconds=time.perf_counter() - t0)
-                suspects |= exc.suspects - {self.d.identity.peer_id}
                 # "aborted" suspects are another member's word, and a hostile member may name an honest peer: a member
                 # that skipped an honest leader on its word led a group of its own (with the hostile peer) and the
-                # swarm split for the step. So they are only told to the leader, which keeps out whom it blames itself.
+                # swarm split for the step; a leader that refused them closed a group of one. The member whose own
+                # evidence it was names them to the leader itself.
                 if exc.reason != "aborted":
                     avoid |= exc.suspects - {self.d.identity.peer_id}
                     self.d.timing.local.failed(exc.suspects)

@@ -44,6 +44,26 @@ def test_the_leader_keeps_out_whom_it_blames_but_a_joiner_cannot_exclude_anyone(
     asyncio.run(main())
 
 
+def test_two_members_blaming_a_peer_keep_it_out_even_when_the_leader_only_heard_of_it() -> None:
+    """The leader saw only an abort naming `bad` (another member's word, so not its own blame): two members that
+    blame `bad` on their own evidence keep it out; otherwise it rejoined every retry until it was banned."""
+
+    async def main() -> None:
+        m, (lead, a, b, bad) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 0)
+        joins = []
+        for who, blames in ((bad, [a.peer_id]), (a, [bad.peer_id]), (b, [bad.peer_id]), (lead, [])):
+            joins.append(asyncio.ensure_future(leader.join(0, -1, who, blames)))
+            await asyncio.sleep(0)
+        bad_resp, a_resp, _, lead_resp = await asyncio.wait_for(asyncio.gather(*joins), 4.0)
+        assert bad_resp.WhichOneof("result") == "behind"
+        members = [x.peer_id for x in lead_resp.group.members]
+        assert members == sorted([lead.peer_id, a.peer_id, b.peer_id])  # bad's word alone did not keep a out
+        assert a_resp.group == lead_resp.group
+
+    asyncio.run(main())
+
+
 def test_one_open_group_per_step_whatever_the_attempt_counters() -> None:
     """Members at different attempt numbers still meet in one group; only naming the failed group opens the next,
     and a late peer that was not in a closed group is told it is behind instead of opening a group of its own."""
@@ -104,3 +124,22 @@ def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     assert relayed_suspects((("other", "x" * 32),), {"x" * 32}) == set()
     assert relayed_suspects(None, {"x" * 32}) == set()
     assert suspects_metadata(RoundFailed("timeout")) == ()
+
+
+def test_a_leader_the_swarm_went_past_closes_empty_rather_than_train_alone() -> None:
+    """Peers that disagreed about who leads (a slow-link peer looked dead to one of them) finished the step under
+    another leader: the left-out leader must send its few joiners to download that state, not average alone."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        for p in (a, b, c):  # gossip says the others finished step 0
+            m.entries[p.peer_id].info.outer_step = 1
+        leader = RendezvousLeader(m, b"run", timeout_s=0.3, my_step=lambda: 0)
+        resp = await asyncio.wait_for(leader.join(0, -1, lead, []), 2.0)
+        assert resp.WhichOneof("result") == "behind"
+        for p in (b, c):  # with only one of them ahead, the two that came do average together
+            m.entries[p.peer_id].info.outer_step = 0
+        got = await asyncio.wait_for(asyncio.gather(leader.join(1, -1, lead, []), leader.join(1, -1, b, [])), 2.0)
+        assert all(r.WhichOneof("result") == "group" for r in got)
+
+    asyncio.run(main())
