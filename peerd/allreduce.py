@@ -88,6 +88,7 @@ class RoundStats:
     wire_bytes: int = 0  # bytes it actually sent
     received_wire_bytes: int = 0
     seconds: float = 0.0
+    messages: int = 0  # stream messages sent (bench.scale: per-peer message rate)
 
 
 @dataclass
@@ -377,6 +378,7 @@ class ReduceRound:
                 )
                 msgs, chain = part_messages(header, frame, self.identity, self.run_id, self.chunk_bytes, chain)
                 self.stats.wire_bytes += len(frame)
+                self.stats.messages += len(msgs)
                 self.stats.raw_bytes += 4 * (hi - lo)
                 for msg in msgs:
                     yield msg
@@ -561,6 +563,7 @@ class ReduceRound:
             )
             msgs, chain = part_messages(header, payload, self.identity, self.run_id, self.chunk_bytes, chain)
             self.stats.wire_bytes += len(payload)
+            self.stats.messages += len(msgs)
             self.stats.raw_bytes += 4 * (hi - lo)
             for msg in msgs:
                 yield msg

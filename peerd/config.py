@@ -159,6 +159,7 @@ class SecuritySection:
 @dataclass
 class NetworkSection:
     gossip_interval: float = 1.0
+    gossip_entries: int = 8  # peer entries per gossip message (plus our own): per-peer gossip stays flat as n grows
     peer_timeout: float = 10.0  # a peer whose heartbeat has not advanced for this long is dropped
     rendezvous_timeout: float = 30.0  # how long a round's leader waits for expected peers
     round_timeout: float = 120.0  # how long an exchange may take before the round fails
@@ -504,6 +505,7 @@ clip_ratio = 2.0          # clipped_mean: clip each contribution to this times t
 
 [network]
 gossip_interval = 1.0
+gossip_entries = 8        # peer entries per gossip message: flat gossip cost per peer as the swarm grows
 peer_timeout = 10.0
 rendezvous_timeout = 30.0
 round_timeout = 120.0

@@ -199,6 +199,7 @@ class Daemon:
             cfg=self.cfg,
             run_id=self.run_id,
             status=self.status_message,
+            count_sent=self.count_sent,
         )
         rounds_service = RoundsService(
             checks=checks, membership=membership, rounds=self.round_client, pair=self, cfg=self.cfg

@@ -40,6 +40,7 @@ class Gossip:
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
+        self._alive_ids: set[str] = set()  # live peers at the last gossip tick (for the "lost" line)
         net = daemon.cfg.network
         self.redialer = Redialer(
             lambda: [
@@ -151,14 +152,34 @@ class Gossip:
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
             targets = random.sample(others, min(3, len(others)))
-            if targets:
-                await asyncio.gather(*(self._gossip_one(p) for p in targets))
+            # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
+            chosen = {p.peer_id for p in targets}
+            probes = [p for p in self.d.membership.expiring() if p.peer_id not in chosen and dialable(p)]
+            if targets or probes:
+                await asyncio.gather(
+                    *(self._gossip_one(p) for p in targets), *(self._gossip_one(p, mark=False) for p in probes)
+                )
             view = self.d.membership.snapshot()
+            self._note_lost(view.alive)
             if self.d.metrics is not None:
                 self.d.metrics.known_peers.set(view.known)
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _note_lost(self, alive: tuple[pb.PeerInfo, ...]) -> None:
+        """Say once when a live peer drops out of the table (silent for peer_timeout, or a failed dial): operators
+        and bench.scale read failure detection from this line."""
+        now_ids = {p.peer_id for p in alive}
+        m = self.d.membership
+        for pid in self._alive_ids - now_ids:
+            info = m.get(pid)
+            if info is None or info.left or info.finished:
+                continue
+            silent = m.silent_for(pid)
+            why = f"silent for {silent:.1f}s" if silent >= m.peer_timeout else "unreachable"
+            log.warning("peer %s lost: %s (network.peer_timeout %.1fs)", pid[:8], why, m.peer_timeout)
+        self._alive_ids = now_ids
 
     def refresh_timing(self) -> None:
         """Publish our slow/faulty verdicts and recompute the swarm's (peerd/timings.py); say what changed."""
@@ -205,7 +226,8 @@ class Gossip:
 
     async def _gossip_one(self, peer: pb.PeerInfo, mark: bool = True) -> bool:
         assert self.d.channels is not None
-        req = sign(pb.GossipRequest(peers=self.d.membership.gossip_view()), "Gossip", self.d.identity, self.d.run_id)
+        view = self.d.membership.gossip_view(limit=self.d.cfg.network.gossip_entries)
+        req = sign(pb.GossipRequest(peers=view), "Gossip", self.d.identity, self.d.run_id)
         t0 = time.monotonic()
         try:
             resp = await self.d.channels.membership(peer.address, peer).Gossip(

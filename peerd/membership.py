@@ -52,6 +52,8 @@ class Entry:
     first_seen: float
     unreachable_until: float = 0.0  # set when we failed to dial it; cleared when its heartbeat advances again
     step_hint: int = -1  # outer step we know it finished (it was in our round), ahead of its gossip
+    last_sent: float = 0.0  # when we last put it in a gossip message (bounded messages go round-robin)
+    last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
 
 
 @dataclass(frozen=True)
@@ -251,14 +253,40 @@ class Membership:
         e = self.entries.get(peer_id)
         return e.info if e else None
 
-    def gossip_view(self, now: float | None = None) -> list[pb.PeerInfo]:
+    def gossip_view(self, now: float | None = None, limit: int = 0) -> list[pb.PeerInfo]:
         """What we tell others: ourselves (freshly signed), live peers, and recent tombstones (so leaves spread).
-        Dead entries are kept but not gossiped: each peer re-dials the dead itself."""
+        Dead entries are kept but not gossiped: each peer re-dials the dead itself.
+
+        `limit` > 0 bounds the live entries per message, so a peer's gossip bytes stay flat as the swarm grows: the
+        ones we sent least recently go first (round-robin over the table). An entry that still misses a peer for a
+        while is saved by that peer's direct probe (`expiring`), not by larger messages."""
         now = time.monotonic() if now is None else now
-        out = [self.signed_self()]
+        live: list[Entry] = []
+        tombs: list[pb.PeerInfo] = []
         for e in self.entries.values():
             age = now - e.last_advance
-            if age < self.peer_timeout or (e.info.left and age < 3 * self.peer_timeout):
+            if e.info.left and age < 3 * self.peer_timeout:
+                tombs.append(e.info)
+            elif age < self.peer_timeout and not e.info.left:
+                live.append(e)
+        if limit > 0 and len(live) > limit:
+            live = sorted(live, key=lambda e: e.last_sent)[:limit]
+        for e in live:
+            e.last_sent = now
+        return [self.signed_self(), *(e.info for e in live), *tombs]
+
+    def expiring(self, now: float | None = None, at: float = 0.6, most: int = 4) -> list[pb.PeerInfo]:
+        """Live peers whose heartbeat has not advanced here for `at` x peer_timeout and that we have not probed
+        since: dial them directly before they expire. With bounded gossip some entry always reaches some peer late;
+        one direct call then costs less than a false death (a peer dropped from rounds and re-dialled)."""
+        now = time.monotonic() if now is None else now
+        out: list[pb.PeerInfo] = []
+        for pid, e in sorted(self.entries.items(), key=lambda kv: kv[1].last_advance):
+            if len(out) >= most:
+                break
+            stale = at * self.peer_timeout <= now - e.last_advance and e.last_probed <= e.last_advance
+            if stale and self.is_alive(pid, now):
+                e.last_probed = now
                 out.append(e.info)
         return out
 

@@ -137,6 +137,12 @@ class PeerMetrics:
             ["kind", "form"],
             registry=registry,
         )
+        self.sent_messages = Counter(
+            "peerd_sent_messages",
+            "Messages sent (gossip requests and answers, stream parts, ...).",
+            ["kind"],
+            registry=registry,
+        )
         self.received_bytes = Counter(
             "peerd_received_bytes",
             "Payload bytes received, as decoded (raw) and as carried (wire).",
@@ -240,6 +246,7 @@ class PeerMetrics:
         self.info.info({"version": version, "algorithm": algorithm, "codec": codec, "run_id": run_id})
 
         for kind in KINDS:
+            self.sent_messages.labels(kind=kind)
             for form in FORMS:
                 self.sent_bytes.labels(kind=kind, form=form)
                 self.received_bytes.labels(kind=kind, form=form)
@@ -254,12 +261,13 @@ class PeerMetrics:
         for why in ("behind", "fork", "start"):
             self.state_downloads.labels(why=why)
 
-    def record_sent(self, kind: str, raw_bytes: int, wire_bytes: int) -> None:
+    def record_sent(self, kind: str, raw_bytes: int, wire_bytes: int, messages: int = 1) -> None:
         """Count one outgoing transfer; also sets the compression ratio, since that is the codec's effect."""
         _check_choice("kind", kind, KINDS)
         raw, wire = _check_amount("raw_bytes", raw_bytes), _check_amount("wire_bytes", wire_bytes)
         self.sent_bytes.labels(kind=kind, form="raw").inc(raw)
         self.sent_bytes.labels(kind=kind, form="wire").inc(wire)
+        self.sent_messages.labels(kind=kind).inc(max(int(messages), 0))
         if wire > 0:
             self.compression_ratio.set(raw / wire)
 

@@ -429,7 +429,7 @@ class RoundClient:
                 exchange_seconds=max(s.seconds - rendezvous_s, 0.0),
             )
             kind = "pair" if self.d.cfg.run.algorithm == "noloco" else "reduce"
-            m.record_sent(kind, s.raw_bytes, s.wire_bytes)
+            m.record_sent(kind, s.raw_bytes, s.wire_bytes, messages=max(s.messages, 1))
             m.record_received(kind, s.received_wire_bytes * s.raw_bytes // max(s.wire_bytes, 1), s.received_wire_bytes)
 
     def note_alone(self, included: int, expected: int) -> None:

@@ -63,8 +63,10 @@ class MembershipService(rpc.MembershipServicer):
         cfg: RunConfig,
         run_id: bytes,
         status: Callable[[bool], pb.StatusResponse],
+        count_sent: Callable[[str, int, int], None],
     ) -> None:
         """`status(redact)` builds this peer's StatusResponse (peerd/localstatus.py)."""
+        self.count_sent = count_sent
         self.checks = checks
         self.membership = membership
         self.gossip = gossip
@@ -126,7 +128,11 @@ class MembershipService(rpc.MembershipServicer):
         await self.checks.verify(request, "Gossip", context)
         self.gossip.merge_gossip(request.peers)
         observed = _observed_host(context.peer())
-        return pb.GossipResponse(peers=self.membership.gossip_view(), observed_address=observed)
+        resp = pb.GossipResponse(
+            peers=self.membership.gossip_view(limit=self.cfg.network.gossip_entries), observed_address=observed
+        )
+        self.count_sent("gossip", 0, resp.ByteSize())
+        return resp
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         sender = await self.checks.verify(request, "Leave", context)

@@ -29,7 +29,7 @@ from tests.swarm import Swarm, tiny_config
 
 pytestmark = pytest.mark.slow
 
-FUZZ_SECONDS = float(os.environ.get("PEERD_FUZZ_SECONDS", "20"))
+FUZZ_SECONDS = float(os.environ.get("PEERD_FUZZ_SECONDS", "12"))
 UNARY = {
     "/peerd.v1.Membership/Join": (pb.JoinRequest, "Join"),
     "/peerd.v1.Membership/Gossip": (pb.GossipRequest, "Gossip"),

@@ -41,6 +41,32 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
 
 
 @pytest.mark.slow
+def test_bounded_gossip_goes_round_robin_and_expiring_entries_are_probed_once() -> None:
+    """With gossip_entries = 8 a message carries 8 peers besides ourselves whatever the table size, the least recently
+    sent first, so three messages cover a 20-peer table; an entry near expiry is handed out for a direct probe once
+    per heartbeat (membership.py, bounded gossip)."""
+    me = _info(b"m" * 32, 1)
+    m = Membership(me, peer_timeout=10.0, settle_s=0.0)
+    others = [_info(bytes([i + 1]) * 32, 1) for i in range(20)]
+    m.merge(others, now=0.0)
+    seen: set[str] = set()
+    for t in (1.0, 2.0, 3.0):
+        view = m.gossip_view(now=t, limit=8)
+        assert len(view) == 9 and view[0].peer_id == me.peer_id
+        seen |= {p.peer_id for p in view[1:]}
+    assert seen == {p.peer_id for p in others}
+    assert len(m.gossip_view(now=3.0)) == 21  # unbounded (Join, local status): the whole live table
+    assert m.expiring(now=5.0) == []  # heard from 5 s ago: not yet
+    first = m.expiring(now=7.0, most=4)
+    assert len(first) == 4
+    second = m.expiring(now=7.1, most=100)
+    assert len(second) == 16 and not {p.peer_id for p in first} & {p.peer_id for p in second}
+    assert m.expiring(now=7.2) == []  # each probed once until its heartbeat advances
+    m.merge([_info(bytes([1]) * 32, 2)], now=7.5)
+    assert m.expiring(now=14.0, most=100)[0].peer_id == others[0].peer_id  # advanced, then stale again: probed again
+    assert len(m.alive(now=10.5)) == 2  # the probes did not keep anyone alive: only a fresh heartbeat does
+
+
 def test_gossip_leave_and_failure_detection(tmp_path: Path) -> None:
     with Swarm(tmp_path, 4, tiny_config(tmp_path, run__outer_steps=0)) as swarm:
         p = swarm.peers

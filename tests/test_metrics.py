@@ -100,6 +100,7 @@ def test_all_families_exposed_with_types_and_units() -> None:
         "peerd_outer_step": "gauge",
         "peerd_learning_rate": "gauge",
         "peerd_sent_bytes": "counter",
+        "peerd_sent_messages": "counter",
         "peerd_received_bytes": "counter",
         "peerd_compression_ratio": "gauge",
         "peerd_round_duration_seconds": "histogram",
@@ -144,6 +145,7 @@ def test_known_children_exist_at_zero_before_any_event() -> None:
         for form in FORMS:
             assert sample_value(m, "peerd_sent_bytes_total", kind=kind, form=form) == 0
             assert sample_value(m, "peerd_received_bytes_total", kind=kind, form=form) == 0
+        assert sample_value(m, "peerd_sent_messages_total", kind=kind) == 0
     for outcome in OUTCOMES:
         assert sample_value(m, "peerd_rounds_total", algorithm="streaming", outcome=outcome) == 0
     for phase in PHASES:
@@ -177,6 +179,7 @@ def test_record_helpers_update_the_right_series() -> None:
     m.record_sent("pair", 1000, 250)
     assert sample_value(m, "peerd_sent_bytes_total", kind="pair", form="raw") == 2000
     assert sample_value(m, "peerd_sent_bytes_total", kind="pair", form="wire") == 375
+    assert sample_value(m, "peerd_sent_messages_total", kind="pair") == 2
     assert sample_value(m, "peerd_compression_ratio") == pytest.approx(4.0)  # the last exchange, not the mean
     m.record_received("state", 10, 10)
     assert sample_value(m, "peerd_received_bytes_total", kind="state", form="wire") == 10

@@ -65,8 +65,9 @@ def _check_honest(summaries: list[dict[str, Any]]) -> None:
     [
         ("diloco", [[0, 1], [2, 3]], 20.0),
         ("streaming", [[0, 1], [2, 3]], 20.0),
+        # a peer cut off alone (solo steps, then the majority's state wins); the schedule-specific parts of the heal
+        # are covered by streaming 2+2 above, and bench.partition runs every combination
         ("diloco", [[0, 1, 2], [3]], 12.0),
-        ("streaming", [[0, 1, 2], [3]], 12.0),
     ],
 )
 def test_a_split_heals_into_one_model(
