@@ -38,18 +38,12 @@ from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
+from peerd.layout import PART_BYTES, included_mask, part_bounds, part_elems, shard_bounds
 from peerd.robust import ContributionGuard, ContributionRejected, mean_of
 from peerd.streams import StreamError, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_name, codec_to_wire, kind_to_wire
 
-PART_BYTES = 256 << 10
-"""Most bytes one part's frame may take, part of the wire protocol (both sides derive the parts from it): an owner
-averages and returns a shard part by part, so the gather starts after one part has arrived from every member instead
-of after the whole shard. On tbf-shaped 20 Mbit/s links (bench/wire.py) 128-256 KiB parts came within 5 % of raw TCP
-where 1 MiB parts lost 8-12 % (the last part's round trip is not overlapped); at 100 Mbit/s 128 KiB parts cost more
-in per-part work (signing, executor hops) than they saved."""
-MAX_PART_ELEMS = 1 << 40
 BLAME_GRACE_S = 0.5
 
 
@@ -102,38 +96,6 @@ class RoundResult:
     @property
     def partial(self) -> bool:
         return len(self.included) < len(self.group.expected)
-
-
-def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal shards; the first numel % n shards get one extra element."""
-    base, extra = divmod(numel, n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-def part_elems(codec: Codec, limit: int = PART_BYTES) -> int:
-    """Elements per part: the most whole codec blocks whose frame can never exceed `limit` bytes (at least one
-    block), so every part is a frame of its own that decodes to exactly what the whole shard's frame would."""
-    unit = max(codec.block_size, 1)
-    if codec.max_encoded_size(unit) >= limit:
-        return unit
-    lo, hi = 1, 2
-    while hi * unit <= MAX_PART_ELEMS and codec.max_encoded_size(hi * unit) <= limit:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # max_encoded_size(lo * unit) <= limit < max_encoded_size(hi * unit)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if codec.max_encoded_size(mid * unit) <= limit else (lo, mid)
-    return lo * unit
-
-
-def part_bounds(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into parts of `size` elements (the last one shorter); an empty shard is one empty part, so every
-    stream carries at least one part."""
-    return [(a, min(a + size, hi)) for a in range(lo, hi, size)] or [(lo, hi)]
 
 
 def sum_of_squares(t: torch.Tensor) -> float:
@@ -193,6 +155,7 @@ class ReduceRound:
         self.executor = executor
         self.chunk_bytes = chunk_bytes
         self.ids = [m.peer_id for m in group.members]
+        self.all_mask = included_mask(len(self.ids), range(len(self.ids)))  # every member: rounds are all-or-nothing
         self.member = self.ids.index(identity.peer_id)  # our index among the members (contributions)
         self.n = len(self.ids)
         # Shard owners: the members others can dial. Every member opens a stream to every other owner, so an
@@ -373,7 +336,7 @@ class ReduceRound:
                     part=k,
                     numel=hi - lo,
                     codec=codec_to_wire(self.codec.name),
-                    included=self.ids,
+                    included_mask=self.all_mask,
                     kind=kind_to_wire("gather"),
                 )
                 msgs, chain = part_messages(header, frame, self.identity, self.run_id, self.chunk_bytes, chain)
@@ -584,7 +547,7 @@ class ReduceRound:
                 h = rx.header
                 if rx.sender != pid or h.shard != j or h.part != k or h.round_id != self.group.round_id:
                     raise RoundFailed(f"reply from {pid[:8]} does not match the round", {pid}, "malformed")
-                if list(h.included) != self.ids:
+                if bytes(h.included_mask) != self.all_mask:
                     raise RoundFailed(f"{pid[:8]} averaged a different set of peers", {pid})
                 chain = rx.digest
                 self.stats.received_wire_bytes += len(rx.payload)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerd.allreduce import PART_BYTES, part_bounds, part_elems, shard_bounds
 from peerd.codecs import make_codec
+from peerd.layout import PART_BYTES, included_mask, part_bounds, part_elems, shard_bounds
 from tests.swarm import ids_in_order
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,3 +134,11 @@ def test_small_parts_and_empty_shards() -> None:
     assert part_elems(codec, limit=100) == 256  # never less than one block, even when it exceeds the limit
     assert part_bounds(5, 5, 256) == [(5, 5)]  # an empty shard is one empty part: every stream carries one
     assert part_bounds(0, 600, 256) == [(0, 256), (256, 512), (512, 600)]
+
+
+def test_included_mask_is_a_bitmask_over_the_group_member_list() -> None:
+    """Revision 4: a reply names whose contributions it averages in ceil(n/8) bytes instead of n ids."""
+    assert included_mask(3, [0, 2]) == bytes([0b101])
+    assert included_mask(9, range(9)) == bytes([0xFF, 0x01])
+    assert len(included_mask(64, range(64))) == 8
+    assert included_mask(0, []) == b""

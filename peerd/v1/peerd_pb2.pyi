@@ -370,7 +370,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part")
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class TensorHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_MASK_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     round_id: bytes
     shard: int
@@ -389,7 +390,8 @@ class TensorHeader(_message.Message):
     codec: Codec
     kind: TensorKind
     part: int
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ...) -> None: ...
+    included_mask: bytes
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ..., included_mask: _Optional[bytes] = ...) -> None: ...
 
 class TensorTrailer(_message.Message):
     __slots__ = ("digest", "signature")

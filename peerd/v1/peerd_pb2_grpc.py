@@ -370,7 +370,7 @@ class RoundsServicer:
 
     def Reduce(self, request_iterator, context):
         """One stream per (member, shard owner), deadline: what is left of network.round_timeout. The shard is cut into
-        parts of at most 256 KiB of encoded data (one block at least), on the codec's block boundaries (peerd/allreduce.py part_bounds: both sides
+        parts of at most 256 KiB of encoded data (one block at least), on the codec's block boundaries (peerd/layout.py part_bounds: both sides
         derive them from the round's layout), each part its own codec frame. Member -> owner, for every part k in order:
         header (kind REDUCE, shard = the owner's index, part = k, numel = the part's), chunks, trailer. Owner -> member,
         part k as soon as every member's part k arrived and was summed: header (kind GATHER, part = k, included = whose
