@@ -3,6 +3,7 @@ health and reflection services are on."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -96,3 +97,33 @@ def test_gossip_leave_and_failure_detection(tmp_path: Path) -> None:
         swarm.wait_until(lambda: all(ids[2] not in x.status().alive for x in p[:2]), 15, "failure detection")
         st = p[1].status()
         assert sorted(st.alive) == sorted([ids[0], ids[1]])
+
+
+@pytest.mark.slow
+def test_bounded_gossip_keeps_every_peer_alive_and_finds_a_silent_one_within_twice_the_timeout(
+    tmp_path: Path,
+) -> None:
+    """Seven peers gossip two entries per message (network.gossip_entries = 2, so no message carries the whole
+    table): every peer still sees every other for the whole run, with no false "lost" line, and a peer frozen with
+    SIGSTOP (its connections stay open and silent, as a host that dropped off the internet) is logged lost by every
+    other within 2 x peer_timeout, then rejoins once it thaws."""
+    cfg = tiny_config(tmp_path, run__outer_steps=0, network__gossip_entries=2, inner__steps=20)
+    with Swarm(tmp_path, 7, cfg) as swarm:
+        p = swarm.peers
+        swarm.wait_until(lambda: all(len(x.status().alive) == 7 for x in p), 60, "full views")
+        time.sleep(6.0)  # two peer timeouts of bounded gossip
+        assert all(len(x.status().alive) == 7 for x in p)
+        assert not any(" lost: " in x.log() for x in p), [x.log_tail() for x in p if " lost: " in x.log()]
+        frozen = p[6]
+        frozen_id = frozen.status().peer_id
+        frozen.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            swarm.wait_until(
+                lambda: all(f"peer {frozen_id[:8]} lost: " in x.log() for x in p[:6]), 12, "the frozen peer lost"
+            )
+            took = time.monotonic() - t0
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+        assert took <= 2 * 3.0, took  # tiny_config's peer_timeout is 3 s
+        swarm.wait_until(lambda: all(len(x.status().alive) == 7 for x in p), 30, "the thawed peer back")

@@ -1,0 +1,223 @@
+"""Scale benchmark: N real daemons on this machine, with a vector-sized model and no real training, so what is measured
+is the swarm's own cost as N grows (issue 15).
+
+    python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--json]
+
+Per swarm size, over a measurement window that starts once every peer is up:
+- rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
+  share of those rounds that included every peer the run expected (a kill makes the rounds around it partial);
+- failed: round attempts that failed and were retried (RoundFailed), at the bootstrap peer (never killed), and the
+  share of attempts that completed: rounds / (rounds + failed);
+- gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
+- round B/peer: reduce-scatter and all-gather bytes each peer sends per completed round;
+- detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
+  data dir); the seconds from each kill until each other peer logs the peer as lost (median and max), against
+  `network.peer_timeout`.
+
+Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
+times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
+the paper model they check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/(\d+) \|", re.M)
+LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) lost: ")
+FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ \(attempt \d+\) failed")
+PEER_TIMEOUT = 15.0  # 64 daemons share 2 cores here: a starved event loop must not read as a dead peer
+
+
+def _ts(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _config(tmp: Path, params: int, gossip_entries: int) -> Path:
+    from tests.swarm import tiny_config
+
+    return tiny_config(
+        tmp,
+        run__outer_steps=0,
+        model__factory="bench.scale_model:make_model",
+        model__d_model=max(params // 4096, 1),
+        data__factory="bench.scale_model:make_data",
+        data__batch_size=1,
+        data__eval_batches=1,
+        inner__steps=1,
+        inner__warmup_steps=1,
+        network__gossip_interval=1.0,
+        network__gossip_entries=gossip_entries,
+        network__peer_timeout=PEER_TIMEOUT,
+        network__rendezvous_timeout=20.0,
+        network__round_timeout=60.0,
+        network__linger=2.0,
+    )
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The sent-bytes and sent-message counters of one peer's /metrics, by (name, kind)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        text = urllib.request.urlopen(f"http://{url}/metrics", timeout=3).read().decode()
+        for line in text.splitlines():
+            m = re.match(r"^(peerd_sent_(?:bytes|messages)_total|peerd_rounds_total)\{(.*)\} (\S+)$", line)
+            if m and 'form="raw"' not in m[2]:
+                kind = re.search(r'(?:kind|outcome)="(\w+)"', m[2])
+                if kind:
+                    out[f"{m[1]}:{kind[1]}"] = out.get(f"{m[1]}:{kind[1]}", 0.0) + float(m[3])
+    return out
+
+
+def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def run_size(n: int, seconds: float, churn: float, params: int, gossip_entries: int, seed: int) -> dict[str, Any]:
+    from tests.swarm import Swarm
+
+    rng = random.Random(seed)
+    # 64 daemons share this machine's memory: fewer malloc arenas per process (gRPC runs many threads)
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    with tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
+        tmp = Path(tmpdir)
+        cfg = _config(tmp, params, gossip_entries)
+        swarm = Swarm(tmp, n, cfg, metrics=True, wait_peers=True)  # --wait-peers N: all start together
+        with swarm:
+            swarm.wait_until(lambda: all(p.proc.poll() is None for p in swarm.peers), 30, "peers up")
+            for p in swarm.peers:
+                p.wait_file("metrics_address", 300)
+            # warm-up: every peer must have completed a round before the window opens
+            swarm.wait_until(lambda: all(LINE.search(p.log()) for p in swarm.peers), 600, "first rounds")
+            urls = {p.index: p.metrics_address for p in swarm.peers}
+            before = {i: _scrape(u) for i, u in urls.items()}
+            t0 = time.time()
+            kills: list[tuple[float, str]] = []
+            while time.time() - t0 < seconds:
+                time.sleep(min(churn or seconds, max(0.0, seconds - (time.time() - t0))))
+                if churn and time.time() - t0 < seconds - 1:
+                    victim = swarm.peers[rng.randrange(1, n)]
+                    pid = (victim.data_dir / "address").exists() and _peer_id(victim.log())
+                    victim.kill()
+                    kills.append((time.time(), pid or ""))
+                    urls.pop(victim.index, None)
+                    before.pop(victim.index, None)
+                    swarm.peers[victim.index] = swarm.spawn(victim.index, swarm.boot_address(0))
+            t1 = time.time()
+            after = {i: _scrape(u) for i, u in urls.items()}
+            logs = {p.index: p.log() for p in swarm.peers}
+        return _report(n, t0, t1, before, after, logs, kills)
+
+
+def _peer_id(log: str) -> str:
+    m = re.search(r"INFO peerd: peer (\w{8}) serving run", log)
+    return m[1] if m else ""
+
+
+def _report(
+    n: int,
+    t0: float,
+    t1: float,
+    before: dict[int, dict[str, float]],
+    after: dict[int, dict[str, float]],
+    logs: dict[int, str],
+    kills: list[tuple[float, str]],
+) -> dict[str, Any]:
+    window = t1 - t0
+    steps: list[tuple[float, int, int, int]] = []
+    for line in logs[0].splitlines():  # the bootstrap peer is never killed: its log is the swarm's step record
+        m = LINE.match(line)
+        if m and t0 <= _ts(m[1]) <= t1:
+            steps.append((_ts(m[1]), int(m[2]), int(m[3]), int(m[4])))
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
+    # failed attempts seen by the bootstrap peer (never killed, a member of every round it completes)
+    failed = sum(1 for line in logs[0].splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1)
+    per_peer = [_diff(after[i], before[i]) for i in after if i in before]
+    gossip_b = [d.get("peerd_sent_bytes_total:gossip", 0.0) / window for d in per_peer]
+    gossip_m = [d.get("peerd_sent_messages_total:gossip", 0.0) / window for d in per_peer]
+    all_b = [sum(v for k, v in d.items() if k.startswith("peerd_sent_bytes_total:")) / window for d in per_peer]
+    all_m = [sum(v for k, v in d.items() if k.startswith("peerd_sent_messages_total:")) / window for d in per_peer]
+    # each peer's own round bytes over its own completed rounds (both counted when a round completes, so a round in
+    # flight at either end of the window cannot skew the ratio)
+    round_b = [
+        d.get("peerd_sent_bytes_total:reduce", 0.0) / n_rounds
+        for d in per_peer
+        if (n_rounds := sum(d.get(f"peerd_rounds_total:{o}", 0.0) for o in ("complete", "partial"))) > 0
+    ]
+    detect: list[float] = []
+    for k, (at, pid) in enumerate(kills):
+        if not pid:
+            continue
+        # a line belongs to this kill only until the same peer is killed again (it was restarted in between)
+        until = next((t for t, p in kills[k + 1 :] if p == pid), at + 60)
+        for log in logs.values():
+            for line in log.splitlines():
+                m = LOST.match(line)
+                if m and m[2] == pid and at <= _ts(m[1]) < until:
+                    detect.append(_ts(m[1]) - at)
+                    break
+    rounds = len(steps)
+    return {
+        "peers": n,
+        "window_s": round(window, 1),
+        "rounds": rounds,
+        "round_s": round(statistics.median(gaps), 2) if gaps else None,
+        "full_share": round(sum(1 for s in steps if s[2] == s[3]) / rounds, 3) if rounds else None,
+        "failed_attempts": failed,
+        "complete_share": round(rounds / (rounds + failed), 3) if rounds + failed else None,
+        "gossip_Bps": round(statistics.median(gossip_b)) if gossip_b else None,
+        "gossip_msgps": round(statistics.median(gossip_m), 2) if gossip_m else None,
+        "gossip_B_per_msg": round(sum(gossip_b) / sum(gossip_m)) if sum(gossip_m) else None,
+        "all_Bps": round(statistics.median(all_b)) if all_b else None,
+        "all_msgps": round(statistics.median(all_m), 2) if all_m else None,
+        "round_B_per_peer": round(statistics.median(round_b)) if round_b else None,
+        "kills": len(kills),
+        "detect_s_median": round(statistics.median(detect), 2) if detect else None,
+        "detect_s_max": round(max(detect), 2) if detect else None,
+        "peer_timeout": PEER_TIMEOUT,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", default="8,16,32,64", help="comma-separated swarm sizes")
+    ap.add_argument("--seconds", type=float, default=60.0, help="measurement window per size")
+    ap.add_argument("--churn", type=float, default=0.0, help="kill -9 and restart one peer every this many seconds")
+    ap.add_argument("--params", type=int, default=1 << 20, help="parameters of the vector model")
+    ap.add_argument("--gossip-entries", type=int, default=8, help="network.gossip_entries")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = []
+    for n in (int(x) for x in args.peers.split(",")):
+        row = run_size(n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(
+                f"{n:3d} peers: {row['rounds']} rounds, {row['round_s']} s/round, full {row['full_share']}, "
+                f"failed attempts {row['failed_attempts']}, gossip {row['gossip_Bps']} B/s "
+                f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
+                f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "
+                f"round {row['round_B_per_peer']} B/peer, kills {row['kills']}, "
+                f"detect {row['detect_s_median']}/{row['detect_s_max']} s (timeout {row['peer_timeout']})",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
