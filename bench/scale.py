@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(
                 f"{n:3d} peers: {row['rounds']} rounds, {row['round_s']} s/round, full {row['full_share']}, "
-                f"failed attempts {row['failed_attempts']}, gossip {row['gossip_Bps']} B/s "
+                f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
+                f"gossip {row['gossip_Bps']} B/s "
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "
                 f"round {row['round_B_per_peer']} B/peer, kills {row['kills']}, "

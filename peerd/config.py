@@ -279,6 +279,8 @@ class RunConfig:
         self._validate_security()
         if not 0 < self.network.chunk_bytes <= 1 << 20:
             raise ConfigError("network.chunk_bytes must be in (0, 1 MiB]")
+        if self.network.gossip_entries < 1:
+            raise ConfigError("network.gossip_entries must be >= 1 (peer entries per gossip message; 8 is the default)")
         if not 0 < self.network.join_timeout < math.inf:
             raise ConfigError("network.join_timeout must be > 0 seconds")
         if self.network.relay_max_peers < 0 or not self.network.relay_peer_mbit > 0:

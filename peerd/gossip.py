@@ -174,8 +174,8 @@ class Gossip:
         m = self.d.membership
         for pid in self._alive_ids - now_ids:
             info = m.get(pid)
-            if info is None or info.left or info.finished:
-                continue
+            if info is None or info.left or info.finished or m.excluded(pid):
+                continue  # a leave, a finished run or a ban says so itself
             silent = m.silent_for(pid)
             why = f"silent for {silent:.1f}s" if silent >= m.peer_timeout else "unreachable"
             log.warning("peer %s lost: %s (network.peer_timeout %.1fs)", pid[:8], why, m.peer_timeout)

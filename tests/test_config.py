@@ -29,6 +29,7 @@ def test_template_parses_to_the_defaults(tmp_path: Path) -> None:
         ({"streaming": {"tau": 2.5}}, "streaming.tau"),
         ({"streaming": {"tau": True}}, "streaming.tau"),
         ({"run": {"algorithm": "streaming"}, "inner": {"steps": 1}}, "inner.steps"),
+        ({"network": {"gossip_entries": 0}}, "network.gossip_entries"),
     ],
 )
 def test_bad_configs_name_the_key(raw: dict, needle: str) -> None:
