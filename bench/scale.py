@@ -110,9 +110,9 @@ def run_size(n: int, seconds: float, churn: float, params: int, gossip_entries: 
                 time.sleep(min(churn or seconds, max(0.0, seconds - (time.time() - t0))))
                 if churn and time.time() - t0 < seconds - 1:
                     victim = swarm.peers[rng.randrange(1, n)]
-                    pid = (victim.data_dir / "address").exists() and _peer_id(victim.log())
+                    pid = _peer_id(victim.log())
                     victim.kill()
-                    kills.append((time.time(), pid or ""))
+                    kills.append((time.time(), pid))
                     urls.pop(victim.index, None)
                     before.pop(victim.index, None)
                     swarm.peers[victim.index] = swarm.spawn(victim.index, swarm.boot_address(0))

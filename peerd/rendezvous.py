@@ -31,7 +31,7 @@ class _Pending:
     deadline: float = 0.0
     result: asyncio.Future | None = None
     extensions: int = 0
-    refused: set[str] = field(default_factory=set)  # peers the leader itself blames for this step's failed attempts
+    refused: set[str] = field(default_factory=set)  # kept out even if they ask to join (RendezvousLeader._refused)
     tokens: dict[str, int] = field(default_factory=dict)  # each joiner's claimed tokens behind its contribution
     grace_armed: bool = False  # windowed runs: the straggler grace started (a majority joined)
     joined_at: dict[str, float] = field(default_factory=dict)  # monotonic time of each member's (first) join
@@ -77,8 +77,7 @@ class RendezvousLeader:
         self.my_step = my_step
         self.pending: dict[Key, _Pending] = {}
         self.closed: dict[Key, pb.Group] = {}
-        self.refused: dict[Key, set[str]] = {}  # kept out of the key's groups, across generations
-        self.blamers: dict[Key, dict[str, set[str]]] = {}  # suspect -> the joiners that named it, per key
+        self.blamers: dict[Key, dict[str, set[str]]] = {}  # suspect -> the joiners that named it, across generations
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
 
     async def join(
@@ -118,8 +117,7 @@ class RendezvousLeader:
         blamers = self.blamers.setdefault(key, {})
         for pid in set(suspects[:64]) - {info.peer_id}:  # a bounded word: a group is never that large
             blamers.setdefault(pid, set()).add(info.peer_id)
-        refused = self.refused.setdefault(key, set())
-        refused |= {p for p, by in blamers.items() if self.membership.self_id in by or len(by) >= 2}
+        refused = self._refused(key)
         if refused - pend.refused:
             pend.refused |= refused
             for pid in pend.refused:
@@ -140,6 +138,11 @@ class RendezvousLeader:
         if not any(m.peer_id == info.peer_id for m in group.members):
             return pb.RendezvousResponse(behind=step + 1)
         return pb.RendezvousResponse(group=group)
+
+    def _refused(self, key: Key) -> set[str]:
+        """Peers kept out of the key's groups: blamed by the leader itself or by two members."""
+        me = self.membership.self_id
+        return {p for p, by in self.blamers.get(key, {}).items() if me in by or len(by) >= 2}
 
     def _open(self, key: Key, generation: int, suspects: list[str]) -> _Pending:
         step = key[0]
@@ -170,7 +173,7 @@ class RendezvousLeader:
             expected,
             deadline=time.monotonic() + self.timeout_s,
             result=loop.create_future(),
-            refused=set(self.refused.get(key, ())),
+            refused=self._refused(key),
         )
         self.pending[key] = pend
         loop.call_later(self.timeout_s, self._on_deadline, key, pend)
@@ -246,7 +249,6 @@ class RendezvousLeader:
         if len(self.closed) > 256:  # keep a bounded history
             for old in sorted(self.closed)[:64]:
                 del self.closed[old]
-                self.refused.pop(old, None)
                 self.blamers.pop(old, None)
         pend.result.set_result(group)
 
