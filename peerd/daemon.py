@@ -44,7 +44,7 @@ from peerd.limits import SERVER_OPTIONS, PeerLimits
 from peerd.localstatus import LocalStatus, status_message
 from peerd.membership import Membership
 from peerd.reachability import Reachability, dialable
-from peerd.relay import RelayClient, RelayServer
+from peerd.relay import RelayClient, RelayServer, unrelayed
 from peerd.rendezvous import RendezvousLeader
 from peerd.robust import BanList, ContributionGuard
 from peerd.roundclient import RoundClient
@@ -299,6 +299,14 @@ class Daemon:
         while (have := self.call(settled())) < n and not stop.is_set():
             if time.monotonic() > deadline:
                 log.warning("only %d of %d peers showed up; training anyway", have, n)
+                return
+            time.sleep(0.1)
+        # NoLoCo: a peer nobody can propose to yet would only ever propose itself (and reachable peers would wait at
+        # their boundary for it), so a swarm started together also waits until every outbound-only member's relay is
+        # known, where a relay exists at all.
+        while (waiting := self.call(unrelayed(self))) and not stop.is_set():
+            if time.monotonic() > deadline:
+                log.warning("outbound-only peers %s have no relay yet; training anyway", [w[:8] for w in waiting])
                 return
             time.sleep(0.1)
 

@@ -47,6 +47,8 @@ QUEUE_FRAMES = 64  # frames buffered per call and direction: backpressure beyond
 BURST_BYTES = 64 << 20
 MAX_CALLS_PER_PEER = 16
 FIRST_FRAME_S = 10.0
+ATTACH_POLL_S = 0.25  # how soon an outbound-only peer attaches once a relay is known
+RETRY_S = 1.0  # and how long it waits after a relay stream ended or was refused
 
 
 def relay_of(daemon: Daemon, peer: pb.PeerInfo) -> pb.PeerInfo | None:
@@ -63,6 +65,24 @@ def pair_targets(daemon: Daemon, peers: list[pb.PeerInfo]) -> list[pb.PeerInfo]:
     """NoLoCo: the peers we can propose to, directly or through their relay."""
     out = [p for p in peers if dialable(p) or relay_of(daemon, p) is not None]
     return out if out else daemon.reach.dial_targets(peers)  # says so when nobody is reachable
+
+
+async def unrelayed(daemon: Daemon) -> list[str]:
+    """NoLoCo: settled outbound-only members (ourselves included) that no peer can propose to yet, because no live
+    relay of theirs is known here, while some relay exists. Empty for the other algorithms."""
+    if daemon.cfg.run.algorithm != "noloco":
+        return []
+    members = daemon.membership.settled()
+    if not any(p.relays and dialable(p) and p.peer_id != daemon.me.peer_id for p in members):
+        return []
+    out = []
+    for p in members:
+        if p.peer_id == daemon.me.peer_id:
+            if daemon.me.outbound_only and not daemon.relay_client.relay:
+                out.append(p.peer_id)
+        elif p.outbound_only and relay_of(daemon, p) is None:
+            out.append(p.peer_id)
+    return out
 
 
 # -- relay side ---------------------------------------------------------------------------------------------------
@@ -239,9 +259,9 @@ class RelayClient:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            if not self.d.me.outbound_only or self.d.pairing is None:
-                continue  # only NoLoCo calls are relayed
+            await asyncio.sleep(ATTACH_POLL_S)
+            if not self.d.me.outbound_only or self.d.cfg.run.algorithm != "noloco":
+                continue  # only NoLoCo calls are relayed (calls that come before pairing starts are refused)
             relays = [p for p in self.d.membership.alive(include_self=False) if p.relays and dialable(p)]
             if not relays:
                 continue
@@ -252,6 +272,7 @@ class RelayClient:
                 await self._attach(relay)
             except Exception as exc:  # the relay went away or refused us: try again (maybe another) shortly
                 log.info("relay stream to %s ended: %s", relay.peer_id[:8], str(exc)[:200])
+                await asyncio.sleep(RETRY_S)
 
     def _set_relay(self, peer_id: str) -> None:
         if self.d.me.relay != peer_id:
