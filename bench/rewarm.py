@@ -90,6 +90,7 @@ def one_seed(
             window = curve[: args.window]
             recover = next((i + 1 for i, v in enumerate(curve) if v <= before), None)
             out[name] = {
+                "curve": curve,
                 "spike": max(window) - before,
                 "recover": recover,
                 "final": curve[-1],
@@ -97,6 +98,20 @@ def one_seed(
                 "a_after": evaluate(cont, a_eval),
             }
     return out
+
+
+def print_curve(runs: list[dict[str, dict]], every: int) -> None:
+    """The eval loss on domain B after each continued step, median over seeds, for both arms side by side."""
+    curves = {
+        name: [statistics.median(vals) for vals in zip(*(r[name]["curve"] for r in runs), strict=True)]
+        for name in runs[0]
+    }
+    before = statistics.median(r["no rewarm"]["before"] for r in runs)
+    print(f"eval loss on B by step (median over seeds; step 0 = the loaded weights, {before:.4f})")
+    print(f"{'step':>5} | {'no rewarm':>9} | {'rewarm':>9}")
+    steps = len(curves["no rewarm"])
+    for i in sorted({*range(0, steps, every), *range(min(every, steps)), steps - 1}):
+        print(f"{i + 1:>5} | {curves['no rewarm'][i]:9.4f} | {curves['rewarm'][i]:9.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=20, help="steps after the switch in which the spike is measured")
     ap.add_argument("--rewarm", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--every", type=int, default=5, help="print the loss curve every this many steps")
     args = ap.parse_args(argv)
     if args.quick:
         args.seeds, args.pretrain, args.steps, args.window, args.rewarm = 2, 120, 30, 15, 10
@@ -140,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = "never" if r["recover"] is None else f"{r['recover']:.0f}"
         cells = f"{r['before']:8.4f} | {r['spike']:+20.4f} | {rec:>16} | {r['final']:7.4f} | {r['a_after']:.4f}"
         print(f"{name:>10} | {cells}")
+    print_curve(runs, args.every)
     base, rew = rows["no rewarm"], rows["rewarm"]
     if base["spike"] > 0:
         print(f"spike ratio rewarm / no rewarm: {rew['spike'] / base['spike']:.2f}")
