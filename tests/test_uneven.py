@@ -92,9 +92,30 @@ def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path
     for s in summaries[:3]:
         assert s["flags"]["slow"] == [slow_id], s["flags"]
         assert s["flagged_at_step"][slow_id] <= 3, s["flagged_at_step"]
-        late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
-        assert late and all(slow_id in r["included"] and r["no_shards"] == [slow_id] for r in late), s["rounds"]
+        # From the step after the flag settles it contributes to every round and owns no shard. The one step in
+        # between is allowed to differ: shard ownership is the leader's call on its own view of the verdicts (which
+        # gossip brings it up to a step after ours), and the round right after the slow peer last owned a shard can
+        # close before its late contribution arrives (then its work is carried into the next round; checked below).
+        flagged = s["flagged_at_step"][slow_id]
+        late = [r for r in s["rounds"] if r["step"] > flagged + 1]
+        assert late, _rows(s, slow_id)
+        assert all(slow_id in r["included"] and r["no_shards"] == [slow_id] for r in late), _rows(s, slow_id)
+    assert summaries[3]["discarded_steps"] == 0, summaries[3]
     assert "this peer flagged slow by most of the swarm" in swarm.peers[3].log()
+
+
+def _rows(summary: dict, slow_id: str) -> str:
+    """A summary's rounds in one line each, the slow peer as SLOW, for an assertion message that fits a CI log."""
+    name = lambda pid: "SLOW" if pid == slow_id else pid[:6]  # noqa: E731
+    return "\n".join(
+        [
+            f"step {r['step']} leader {name(r['leader'])} included {[name(p) for p in r['included']]} "
+            f"expected {[name(p) for p in r['expected']]} no_shards {[name(p) for p in r['no_shards']]} "
+            f"partial {r['partial']} note {r['note']!r}"
+            for r in summary["rounds"]
+        ]
+        + [f"flagged_at_step {summary['flagged_at_step']}"]
+    )
 
 
 def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> None:
