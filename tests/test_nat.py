@@ -257,6 +257,12 @@ def test_noloco_relay_lets_outbound_only_peers_pair_with_anyone(tmp_path: Path) 
     # as its partner although nobody can dial it
     proposed_to = [r for s in sums for r in s["rounds"] if len(r["included"]) == 2 and r["included"][1] in blocked]
     assert proposed_to, [s["rounds"] for s in sums]
+    # --wait-peers waited for the relays: each outbound-only peer was attached before its first outer step
+    for i in (1, 2):
+        log = swarm.peers[i].log()
+        assert "attached to relay" in log and "outer step 1 |" in log, swarm.peers[i].log_tail()
+        assert log.index("attached to relay") < log.index("outer step 1 |"), swarm.peers[i].log_tail()
+    assert not any("have no relay yet" in p.log() for p in swarm.peers)
 
 
 @pytest.mark.slow
