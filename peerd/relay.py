@@ -67,13 +67,19 @@ def pair_targets(daemon: Daemon, peers: list[pb.PeerInfo]) -> list[pb.PeerInfo]:
     return out if out else daemon.reach.dial_targets(peers)  # says so when nobody is reachable
 
 
+def serves_relay(peer: pb.PeerInfo) -> bool:
+    """A peer outbound-only peers can attach to: it offers relaying and can be dialled."""
+    return peer.relays and dialable(peer)
+
+
 async def unrelayed(daemon: Daemon) -> list[str]:
     """NoLoCo: settled outbound-only members (ourselves included) that no peer can propose to yet, because no live
-    relay of theirs is known here, while some relay exists. Empty for the other algorithms."""
+    relay of theirs is known here, while some relay exists. Empty for the other algorithms. A coroutine so that it
+    reads the membership table on the daemon's loop (`Daemon.call`)."""
     if daemon.cfg.run.algorithm != "noloco":
         return []
     members = daemon.membership.settled()
-    if not any(p.relays and dialable(p) and p.peer_id != daemon.me.peer_id for p in members):
+    if not any(serves_relay(p) and p.peer_id != daemon.me.peer_id for p in members):
         return []
     out = []
     for p in members:
@@ -262,7 +268,7 @@ class RelayClient:
             await asyncio.sleep(ATTACH_POLL_S)
             if not self.d.me.outbound_only or self.d.cfg.run.algorithm != "noloco":
                 continue  # only NoLoCo calls are relayed (calls that come before pairing starts are refused)
-            relays = [p for p in self.d.membership.alive(include_self=False) if p.relays and dialable(p)]
+            relays = [p for p in self.d.membership.alive(include_self=False) if serves_relay(p)]
             if not relays:
                 continue
             # rendezvous hashing: outbound-only peers spread over the relays, and each keeps its relay while it lives
