@@ -234,6 +234,18 @@ def _check_checkpoint(path: Path) -> None:
         raise UserError(f"cannot read {path} ({exc.strerror or exc}); fix its permissions or move it away") from exc
 
 
+def _finished_in_checkpoint(path: Path, target: int) -> int | None:
+    """The outer step our checkpoint holds when it already reached the run's last one (`target` > 0), else None."""
+    from trainer.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        state = load_checkpoint(path)
+    except (CheckpointError, OSError):
+        return None
+    step = int(state.get("outer_step", -1)) if state else -1
+    return step if 0 < target <= step else None
+
+
 def _init_digest(cfg: RunConfig, init_from: str | None) -> Path | None:
     """Check --init-from against the spec before joining: the file's sha256 becomes run.init_digest (part of the run
     id), or must equal it when the config names one; a config that names one needs the file."""
@@ -338,10 +350,21 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
         log.info("received %s while starting: stopped", exc)
         daemon.stop(leave=False, drain=0.5)
         return 0
-    except (JoinError, OSError) as exc:
+    except JoinError as exc:
+        done = _finished_in_checkpoint(data_dir / CHECKPOINT, cfg.run.outer_steps)
+        if done is None:
+            daemon.stop(leave=False, drain=0.5)
+            raise UserError(str(exc), code=1) from exc
+        # A peer restarted after the others finished and left: its own checkpoint is the end of the run.
+        log.warning(
+            "%s; our checkpoint already holds the run's last outer step (%d): reporting it, nothing to train", exc, done
+        )
+        daemon.go_on()
+    except OSError as exc:
         daemon.stop(leave=False, drain=0.5)
         raise UserError(str(exc), code=1) from exc
-    log.info("peer %s joined run %s (%s)", identity.peer_id[:8], daemon.run_id.hex()[:8], cfg.run.algorithm)
+    else:
+        log.info("peer %s joined run %s (%s)", identity.peer_id[:8], daemon.run_id.hex()[:8], cfg.run.algorithm)
     live = _live_progress(daemon, cfg.run.outer_steps, shutdown.stop) if sys.stderr.isatty() else None
     worker = None
     try:

@@ -158,6 +158,11 @@ class Daemon:
         self.call(self._start_server())
         if self.bootstrap:
             self.call(self.gossip.join(join_timeout, verbose=True))
+        self.go_on()
+
+    def go_on(self) -> None:
+        """Start gossip, probes and metrics: the rest of start(), also called by the CLI after a failed join when our
+        checkpoint already finished the run (nobody is left to join, and nothing is left to train)."""
         self.call(self._start_background())
         self.status.state = "training"
         # Everything alive now (torch, grpc, the model) lives as long as the daemon: keep it out of the cyclic GC's

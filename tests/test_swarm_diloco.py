@@ -110,3 +110,29 @@ def test_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
     assert "resumed from checkpoint at outer step 2" in peer.log()
     hist = peer.summary()["history"]
     assert [h["outer_step"] for h in hist] == [1, 2, 3, 4]
+
+
+def test_restart_after_the_run_ended_reports_the_finished_checkpoint(tmp_path: Path) -> None:
+    """Everyone finished and left; a peer restarted on its data dir finds nobody to join and nothing to train."""
+    swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=3))
+    with swarm:
+        swarm.wait_exit(120)
+        before = swarm.peers[1].summary()
+        again = swarm.spawn(1, swarm.peers[0].address, extra=["--join-timeout", "1.5"])
+        assert again.wait(60) == 0, again.log_tail()
+    assert "already holds the run's last outer step (3)" in again.log()
+    after = again.summary()
+    assert after["outer_step"] == 3 and after["finished"]
+    assert after["history"] == before["history"]  # nothing trained again
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+
+
+def test_restart_of_an_unfinished_peer_with_nobody_to_join_fails_clearly(tmp_path: Path) -> None:
+    """The same restart with the run unfinished in its checkpoint: training alone would fork the run, so it stops."""
+    swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=3))
+    with swarm:
+        swarm.wait_exit(120)
+    longer = tiny_config(tmp_path, "run2.toml", run__outer_steps=5)
+    again = swarm.spawn(1, swarm.peers[0].address, config=longer, extra=["--join-timeout", "1.5"])
+    assert again.wait(60) == 1
+    assert "no bootstrap peer answered" in again.log()
