@@ -44,6 +44,7 @@ class DiLoCo(OuterAlgorithm):
         self.carried_steps = 0
         self.discarded_steps = 0
         self.carried_in_a_row = 0  # adoptions since our last applied round that kept our pending work
+        self.windows_pending = 0  # training windows (due points) behind our pending pseudo-gradient
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -54,6 +55,7 @@ class DiLoCo(OuterAlgorithm):
         self.steps_pending += 1
         if not self._due(t):
             return None
+        self.windows_pending += 1
         pending = self._pending(trainer)
         if trainer.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
             self._keep_or_drop(trainer, pending)
@@ -86,6 +88,7 @@ class DiLoCo(OuterAlgorithm):
         trainer.layout.unflatten_into(self.global_params, trainer.model)
         self.work += len(set(result.included))
         self.steps_pending = 0
+        self.windows_pending = 0
         self.carried_in_a_row = 0
         self.window_start = time.monotonic()
         return StepDone(step + 1, result)
@@ -100,11 +103,13 @@ class DiLoCo(OuterAlgorithm):
         top of the new global (local = global - pending), so the next round includes it with its tokens; its
         staleness is one outer step. "discard": start over from the swarm's state.
 
-        Work is carried over one missed round at most: a peer that keeps missing rounds (a joiner behind a fast
-        swarm, a peer far slower than the window) would otherwise pile up a pseudo-gradient many rounds stale and
-        many times the norm of anyone else's, which the owners' norm screen rightly refuses (and bans)."""
+        Work is carried over one missed round at most, and only one window of it: a peer that keeps missing rounds
+        (a joiner behind a fast swarm, a peer far slower than the window, a round it found already done before gossip
+        named a better state) would otherwise pile up a pseudo-gradient many windows long. Its tokens weight it up
+        as well (peerd/rendezvous.py member_weight), so its scaled contribution grows with the square of its length,
+        and the owners' norm screen refuses it (and bans after repeats), as it did to an honest restarted peer."""
         self.window_start = time.monotonic()
-        if self.carry and self.steps_pending and self.carried_in_a_row < 1:
+        if self.carry and self.steps_pending and self.carried_in_a_row < 1 and self.windows_pending <= 1:
             self.carried_in_a_row += 1
             local = self.global_params.to(pending.device) - pending
             trainer.layout.unflatten_into(local, trainer.model)
@@ -115,6 +120,7 @@ class DiLoCo(OuterAlgorithm):
             log.info("dropping %d inner steps of work: the swarm moved on without it", self.steps_pending)
         self.discarded_steps += self.steps_pending
         self.steps_pending = 0
+        self.windows_pending = 0
         self.carried_in_a_row = 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

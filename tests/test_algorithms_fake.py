@@ -110,6 +110,25 @@ def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -
     assert swarm.tokens == [300, 600]  # every step's tokens go with it
 
 
+def test_diloco_carries_one_window_of_work_at_most(tmp_path: Path) -> None:
+    """Work that already missed a round (it failed) and then finds the swarm ahead is two windows long: it is dropped,
+    not carried. Carried, it would go out weighted up by its tokens and twice as long, and the owners' norm screen
+    refused exactly that from an honest restarted peer."""
+    swarm = FakeSwarm(fail={(0, -1)}, behind={})
+    trainer = setup(tmp_path, "diloco", swarm)
+    served = {
+        "params": torch.linspace(-1, 1, trainer.layout.numel),
+        "outer_momentum": torch.zeros(trainer.layout.numel),
+    }
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 1: the round failed, work kept
+    swarm.behind[(0, -1)] = 5
+    swarm.state = StateSnapshot(5, served, work=20)
+    done = [trainer.inner_step() for _ in range(3)][-1]  # window 2: the swarm is ahead
+    assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
+    assert torch.equal(flat(trainer), served["params"])  # six steps of work, dropped
+    assert trainer.algorithm.discarded_steps == 6 and trainer.algorithm.carried_steps == 0
+
+
 # -- NoLoCo ---------------------------------------------------------------------------------------------------------
 def test_noloco_without_a_partner_takes_the_solo_step(tmp_path: Path) -> None:
     swarm = FakeSwarm()
