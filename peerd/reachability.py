@@ -272,15 +272,19 @@ class Reachability:
         return pb.ProbeResponse(result="reachable" if ok else "unreachable", address=address, observed_address=observed)
 
     async def _dial_back(self, address: str, public_key: bytes, cert: bytes, nonce: bytes) -> tuple[bool, str]:
+        # A connection of its own (a local subchannel pool): gRPC shares subchannels between channels with equal
+        # arguments, so a peer restarted on its old address would otherwise be dialled through the dead one's
+        # subchannel, still in reconnect backoff, fail at once with UNAVAILABLE and be judged outbound-only.
+        fresh = [("grpc.use_local_subchannel_pool", 1)]
         if self.d.tls is not None:
             try:
                 pid = tls.verify_cert(cert, public_key)
             except (tls.TlsError, ValueError) as exc:
                 return False, f"certificate refused: {exc}"
-            opts = CHANNEL_OPTIONS + tls.channel_options(pid)
+            opts = CHANNEL_OPTIONS + tls.channel_options(pid) + fresh
             channel = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
         else:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + fresh)
         try:
             req = pb.ProbeEchoRequest(run_id=self.d.run_id, nonce=nonce)
             resp = await rpc.MembershipStub(channel).ProbeEcho(req, timeout=PROBE_DIAL_S)
