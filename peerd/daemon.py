@@ -28,7 +28,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from peerd import faults, reflection, tls
+from peerd import faults, peercache, reflection, tls
 from peerd.admission import Admission
 from peerd.allreduce import RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -38,7 +38,7 @@ from peerd.config import RunConfig
 from peerd.consistency import AloneTracker, Claim, best_claim, claim_of
 from peerd.datadir import write_atomic
 from peerd.envelope import Verifier, set_admission_prover, sign
-from peerd.gossip import Gossip
+from peerd.gossip import Gossip, JoinError
 from peerd.identity import Identity
 from peerd.limits import SERVER_OPTIONS, PeerLimits
 from peerd.localstatus import LocalStatus, status_message
@@ -57,6 +57,7 @@ from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
 T = TypeVar("T")
+REMEMBERED_JOIN_S = 5.0  # how long the first peer (no --bootstrap) tries the peers it remembers before starting
 
 
 class Daemon:
@@ -78,6 +79,16 @@ class Daemon:
         self.identity = identity
         self.listen = listen
         self.bootstrap = list(bootstrap or [])
+        # Peers of this run remembered from an earlier start (peerd/peercache.py), tried after --bootstrap: a
+        # restarted peer whose bootstrap peer has left still finds the swarm.
+        given = {spec.rpartition("@")[2] for spec in self.bootstrap}
+        self.bootstrap_given = bool(self.bootstrap)
+        self.remembered = [
+            spec
+            for spec in peercache.load(Path(data_dir), cfg.run_id(), pinned=not insecure)
+            if spec.rpartition("@")[2] not in given
+        ]
+        self.bootstrap += self.remembered
         self.announce = announce
         self.data_dir = Path(data_dir)
         self.metrics_listen = metrics_listen
@@ -157,7 +168,14 @@ class Daemon:
         ready.wait()
         self.call(self._start_server())
         if self.bootstrap:
-            self.call(self.gossip.join(join_timeout, verbose=True))
+            # Without --bootstrap we are the run's first peer: remembered peers get a short try, then we start.
+            timeout = join_timeout if self.bootstrap_given else min(join_timeout, REMEMBERED_JOIN_S)
+            try:
+                self.call(self.gossip.join(timeout, verbose=True))
+            except JoinError as exc:
+                if self.bootstrap_given:
+                    raise
+                log.warning("no remembered peer of this run let us in (%s): starting as its first peer", exc)
         self.go_on()
 
     def go_on(self) -> None:

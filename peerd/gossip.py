@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from peerd import bootstrap, tls
+from peerd import bootstrap, peercache, tls
 from peerd.bootstrap import unspecified
 from peerd.channels import UNREACHABLE
 from peerd.datadir import write_atomic
@@ -41,6 +41,7 @@ class Gossip:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self._alive_ids: set[str] = set()  # live peers at the last gossip tick (for the "lost" line)
+        self._remembered: tuple[tuple[str, str], ...] = ()  # what peercache holds now
         net = daemon.cfg.network
         self.redialer = Redialer(
             lambda: [
@@ -80,6 +81,14 @@ class Gossip:
                         warned.add(spec)
                         left = max(deadline - time.monotonic(), 0.0)
                         log.warning("bootstrap %s: %s; retrying for up to %.0fs", spec, exc, left)
+                except (JoinError, tls.TlsError) as exc:
+                    if spec not in self.d.remembered:
+                        raise
+                    # A remembered address now holds another peer, or another run: not ours to join through.
+                    last = f"{spec}: {exc}"
+                    if verbose and spec not in warned:
+                        warned.add(spec)
+                        log.info("remembered peer %s: %s; trying the others", spec, exc)
             pause = bootstrap.backoff_s(attempt)
             attempt += 1
             if time.monotonic() + pause > deadline:
@@ -161,11 +170,26 @@ class Gossip:
                 )
             view = self.d.membership.snapshot()
             self._note_lost(view.alive)
+            self._remember(view.alive)
             if self.d.metrics is not None:
                 self.d.metrics.known_peers.set(view.known)
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _remember(self, alive: tuple[pb.PeerInfo, ...]) -> None:
+        """Keep the live dialable peers in the data dir when they change (peerd/peercache.py). An empty view does not
+        overwrite the file: the peers seen last are still the best guess for a later restart."""
+        me = self.d.identity.peer_id
+        peers = sorted((p for p in alive if p.peer_id != me and dialable(p) and not p.left), key=lambda p: p.peer_id)
+        key = tuple((p.peer_id, p.address) for p in peers)
+        if not key or key == self._remembered:
+            return
+        self._remembered = key
+        try:
+            peercache.save(self.d.data_dir, self.d.run_id, peers)
+        except OSError as exc:  # a full disk must not stop gossip; the next change tries again
+            log.debug("cannot write %s: %s", peercache.FILE, exc)
 
     def _note_lost(self, alive: tuple[pb.PeerInfo, ...]) -> None:
         """Say once when a live peer drops out of the table (silent for peer_timeout, or a failed dial): operators

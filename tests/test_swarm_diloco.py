@@ -124,6 +124,12 @@ def test_restart_after_the_run_ended_reports_the_finished_checkpoint(tmp_path: P
     after = again.summary()
     assert after["outer_step"] == 3 and after["finished"]
     assert after["history"] == before["history"]  # nothing trained again
+    # The first peer (no --bootstrap) tries the peers it remembers (peerd/peercache.py) for a few seconds, then
+    # starts as the first peer: here on a finished checkpoint, so it has nothing to train either.
+    first = swarm.spawn(0, None)
+    assert first.wait(60) == 0, first.log_tail()
+    assert "no remembered peer of this run let us in" in first.log()
+    assert first.summary()["outer_step"] == 3
     assert_identical_globals([p.data_dir for p in swarm.peers])
 
 
