@@ -24,6 +24,8 @@ from peerd.rendezvous import Behind
 from trainer.outer import NesterovOuter
 
 log = logging.getLogger("peerd")
+# A contribution covers at most this many windows of work: one missed round (carried), plus the window in progress.
+MAX_PENDING_WINDOWS = 2
 
 
 class DiLoCo(OuterAlgorithm):
@@ -56,6 +58,19 @@ class DiLoCo(OuterAlgorithm):
         if not self._due(t):
             return None
         self.windows_pending += 1
+        if self.windows_pending > MAX_PENDING_WINDOWS:
+            # Rounds kept failing, or kept answering "behind" with nobody holding a better state: our pending work is
+            # now longer than any owner accepts (its norm and its token weight both grow with it). Start over from
+            # the global state, and contribute from the next window on.
+            log.warning(
+                "dropping %d inner steps of work: %d windows without an applied round", self.steps_pending,
+                self.windows_pending - 1,
+            )  # fmt: skip
+            trainer.layout.unflatten_into(self.global_params, trainer.model)
+            self.discarded_steps += self.steps_pending
+            self.steps_pending = self.windows_pending = self.carried_in_a_row = 0
+            self.window_start = time.monotonic()
+            return None
         pending = self._pending(trainer)
         if trainer.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
             self._keep_or_drop(trainer, pending)

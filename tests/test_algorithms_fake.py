@@ -254,3 +254,21 @@ def test_streaming_error_feedback_carries_what_the_codec_dropped(tmp_path: Path)
         trainer.inner_step()
     assert swarm.calls[2] == (1, 1) and seen[-1][0] == "fragment1"
     assert torch.equal(swarm.vectors[2], seen[-1][1] + residual)
+
+
+def test_diloco_drops_work_that_no_round_took_for_two_windows(tmp_path: Path) -> None:
+    """Rounds that keep failing (or answering "behind" when nobody holds a better state) must not let pending work
+    grow without bound: three windows long, it would be refused by the owners' norm screen, and the peer banned."""
+    swarm = FakeSwarm(fail={(0, -1)})
+    trainer = setup(tmp_path, "diloco", swarm)
+    g0 = flat(trainer)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 1: failed, kept
+    swarm.fail.add((0, -1))
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 2: failed, kept
+    assert torch.allclose(flat(trainer), g0 + 0.06)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 3: too long, dropped, no round
+    assert torch.equal(flat(trainer), g0) and trainer.algorithm.discarded_steps == 9
+    assert swarm.calls == [(0, -1), (0, -1)]
+    done = [trainer.inner_step() for _ in range(3)][-1]  # a fresh window contributes again
+    assert done is not None and done.step == 1
+    assert torch.allclose(swarm.vectors[-1], torch.full_like(g0, -0.03))
