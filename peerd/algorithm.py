@@ -76,8 +76,9 @@ class Trainer(Protocol):
     def heal(self) -> bool:
         """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed."""
 
-    def resync(self, min_step: int, why: str = "behind") -> bool:
-        """Download the canonical state (at least `min_step`) and continue from it; True when adopted."""
+    def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
+        """Download the canonical state (at least `min_step`) and continue from it; True when adopted. `wait_s`:
+        how long to wait for gossip to show a better state, when we know one exists (a leader said "behind")."""
 
     def adopt(self, snap: StateSnapshot, why: str) -> None:
         """Take a downloaded state as ours (counted in status and metrics as `why`)."""

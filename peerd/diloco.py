@@ -86,7 +86,9 @@ class DiLoCo(OuterAlgorithm):
         except Behind as exc:
             trainer.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
-            if not trainer.resync(-1):
+            # The leader saw the newer state before gossip brought it here: give gossip a moment rather than train
+            # another window on a state already left behind (its work would then be two windows long: dropped).
+            if not trainer.resync(-1, wait_s=2 * trainer.cfg.network.gossip_interval):
                 return None
             self._keep_or_drop(trainer, pending)
             return StepDone(trainer.outer_step)

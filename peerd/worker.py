@@ -190,7 +190,7 @@ class Worker:
         weights differ by design and a peer that fell behind simply takes the newest."""
         return self.daemon.ranked
 
-    def resync(self, min_step: int, why: str = "behind") -> bool:
+    def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
         """Adopt the canonical global state and continue from it (local progress since the last sync is lost). For
         ranked algorithms only a state whose claim outranks ours is adopted. If nobody can serve one, keep our own
         state and go on training: the next round or gossip will tell."""
@@ -198,9 +198,12 @@ class Worker:
         t0 = time.perf_counter()
         shapes = {k: tuple(v.shape) for k, v in self.algorithm.state_tensors().items()}
         try:
-            if self.ranked and self.swarm.canonical(min_step) is None:
-                log.info("no live peer holds a better state than ours (step %d): keeping it", self.outer_step)
-                return False
+            deadline = time.monotonic() + wait_s
+            while self.ranked and self.swarm.canonical(min_step) is None:
+                if time.monotonic() >= deadline:
+                    log.info("no live peer holds a better state than ours (step %d): keeping it", self.outer_step)
+                    return False
+                time.sleep(0.1)
             snap = self.swarm.fetch_state(min_step, shapes, timeout=self.cfg.network.round_timeout, better=self.ranked)
         except RoundFailed as exc:
             log.warning("could not download state (%s); continuing from our own state at step %d", exc, self.outer_step)

@@ -192,7 +192,7 @@ class FakeTrainer:
         best = self.swarm.canonical()
         return best is not None and self.resync(-1)
 
-    def resync(self, min_step: int, why: str = "behind") -> bool:
+    def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
         try:
             snap = self.swarm.fetch_state(min_step, {})
         except RoundFailed:
