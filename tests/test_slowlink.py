@@ -294,7 +294,10 @@ def test_ctrl_c_tears_down() -> None:
         names = set(proc.stdout.readline().split())
         assert len(names) == 3 and names <= _namespaces()
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=10)
+        # Teardown takes well under a second on a quiet machine; in a loaded CI run, right after other tests' nets
+        # were deleted, the kernel's namespace cleanup held `ip netns del` past 10 s. What is tested is that Ctrl-C
+        # tears down, not how fast the kernel does it.
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
