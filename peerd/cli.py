@@ -383,6 +383,7 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
             )
         except ValueError as exc:  # bad model/data factory, data path, ...
             raise UserError(f"cannot start training: {exc}") from exc
+        daemon.start_training(args.wait_peers)
         shutdown.training()
         try:
             worker.run(shutdown.stop)

@@ -24,7 +24,7 @@ else:  # pragma: no cover
 
 # The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
 # different revisions never meet in one run; the Join refusal names the field "protocol".
-PROTOCOL = 4
+PROTOCOL = 5
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
@@ -172,6 +172,7 @@ class NetworkSection:
     relay: bool = True  # when reachable, carry NoLoCo calls for outbound-only peers (peerd/relay.py)
     relay_max_peers: int = 16  # outbound-only peers that may attach at once
     relay_peer_mbit: float = 100.0  # relayed traffic per attached peer, both directions (burst: 64 MiB)
+    start_barrier: bool = True  # --wait-peers N: also take the first inner step together (peerd/startbarrier.py)
 
 
 @dataclass
@@ -517,6 +518,7 @@ join_timeout = 60.0       # seconds `peerd start` retries bootstrap addresses wh
 relay = true              # when reachable, relay NoLoCo exchanges for peers behind NAT (README: Behind NAT)
 relay_max_peers = 16      # outbound-only peers that may attach at once
 relay_peer_mbit = 100.0   # relayed traffic allowed per attached peer
+start_barrier = true      # --wait-peers N: the N peers also take their first inner step together
 
 [checkpoint]
 every = 1

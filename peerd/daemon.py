@@ -50,6 +50,7 @@ from peerd.robust import BanList, ContributionGuard
 from peerd.roundclient import RoundClient
 from peerd.service import MembershipService, RoundsService, StateService
 from peerd.shutdown import DRAIN_S
+from peerd.startbarrier import StartBarrier, start_together
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
 from peerd.timings import SwarmTimings
@@ -155,6 +156,7 @@ class Daemon:
         self.alone = AloneTracker()
         self.gossip = Gossip(self)  # join, gossip and redial (peerd/gossip.py)
         self.round_client = RoundClient(self)  # rendezvous and rounds (peerd/roundclient.py)
+        self.start_barrier = StartBarrier()  # --wait-peers: the first inner step together (peerd/startbarrier.py)
         self.reach = Reachability(self)  # can others dial us? (peerd/reachability.py)
         self.relay_server, self.relay_client = RelayServer(self), RelayClient(self)  # peerd/relay.py
 
@@ -225,7 +227,12 @@ class Daemon:
             count_sent=self.count_sent,
         )
         rounds_service = RoundsService(
-            checks=checks, membership=membership, rounds=self.round_client, pair=self, cfg=self.cfg
+            checks=checks,
+            membership=membership,
+            rounds=self.round_client,
+            pair=self,
+            cfg=self.cfg,
+            barrier=self.start_barrier,
         )
         state_service = StateService(
             checks=checks,
@@ -332,6 +339,18 @@ class Daemon:
                 log.warning("outbound-only peers %s have no relay yet; training anyway", [w[:8] for w in waiting])
                 return
             time.sleep(0.1)
+
+    def start_training(self, wait_peers: int) -> None:
+        """Called once, right before the first inner step: with `--wait-peers N` (N > 1) wait at the start barrier
+        until N peers are ready too (peerd/startbarrier.py); either way, from now on our barrier holds nobody."""
+        delay = faults.start_delay()
+        if delay:
+            log.warning("fault injection: starting %.1fs late", delay)
+            time.sleep(delay)
+        if wait_peers > 1 and self.cfg.network.start_barrier:
+            self.call(start_together(self, wait_peers, self.cfg.network.rendezvous_timeout))
+        else:
+            self.call(self.start_barrier.mark_training())
 
     def stop(self, leave: bool = True, drain: float = DRAIN_S) -> None:
         """Clean shutdown: announce Leave to live peers, stop serving (streams in flight get `drain` seconds), stop

@@ -83,6 +83,17 @@ def step_delay() -> float:
     return value if 0.0 < value < 60.0 else 0.0
 
 
+def start_delay() -> float:
+    """PEERD_FAULT_START_DELAY_S=2: sleep this long before the first inner step (and before the start barrier): a
+    peer whose model build or data load takes longer than its partners'."""
+    raw = _env("PEERD_FAULT_START_DELAY_S")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        return 0.0
+    return value if 0.0 < value < 60.0 else 0.0
+
+
 # Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
 # so tests can stop a joiner while it waits in a state download.
 STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from peerd.membership import Membership
     from peerd.reachability import Reachability
     from peerd.roundclient import RoundClient
+    from peerd.startbarrier import StartBarrier
     from peerd.statesync import StateSnapshot
 
 log = logging.getLogger("peerd")
@@ -174,12 +175,14 @@ class RoundsService(rpc.RoundsServicer):
         rounds: RoundClient,
         pair: PairEndpoint,
         cfg: RunConfig,
+        barrier: StartBarrier,
     ) -> None:
         self.checks = checks
         self.membership = membership
         self.rounds = rounds
         self.pair = pair
         self.cfg = cfg
+        self.barrier = barrier
 
     async def Rendezvous(
         self, request: pb.RendezvousRequest, context: grpc.aio.ServicerContext
@@ -191,6 +194,18 @@ class RoundsService(rpc.RoundsServicer):
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
         return await self.rounds.lead_rendezvous(request, info)
+
+    async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
+        sender = await self.checks.verify(request, "Start", context)
+        if self.membership.get(sender) is None:
+            await self.checks.refuse(
+                context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Start: unknown peer; Join first"
+            )
+        timeout = self.cfg.network.rendezvous_timeout
+        left = context.time_remaining()
+        timeout = timeout if left is None else min(left, timeout)
+        started = await self.barrier.arrive(sender, request.peers, max(timeout - 0.2, 0.0))
+        return pb.StartResponse(started=started)
 
     async def Reduce(
         self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext

@@ -435,6 +435,20 @@ class MatchResponse(_message.Message):
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class StartRequest(_message.Message):
+    __slots__ = ("auth", "peers")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    peers: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., peers: _Optional[int] = ...) -> None: ...
+
+class StartResponse(_message.Message):
+    __slots__ = ("started",)
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    started: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, started: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class StateRequest(_message.Message):
     __slots__ = ("auth", "min_step", "ranges")
     AUTH_FIELD_NUMBER: _ClassVar[int]

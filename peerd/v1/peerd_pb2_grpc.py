@@ -352,6 +352,11 @@ class RoundsStub:
                 request_serializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.FromString,
                 _registered_method=True)
+        self.Start = channel.unary_unary(
+                '/peerd.v1.Rounds/Start',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.StartRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.StartResponse.FromString,
+                _registered_method=True)
 
 
 class RoundsServicer:
@@ -404,6 +409,18 @@ class RoundsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Start(self, request, context):
+        """Start barrier (like torchrun's rendezvous): a peer started with --wait-peers N, once ready for its first inner
+        step, asks the lowest settled dialable peer to hold the call until N peers asked (itself included when it is one
+        of them). Answered at once when N already asked, or when the receiver is training already (the run is under way:
+        nobody waits for a swarm that has started; a caller that sees a peer past outer step 0 in gossip does not call).
+        Deadline: network.rendezvous_timeout; past it the caller starts anyway and says so. FAILED_PRECONDITION: the
+        caller is not in the receiver's table yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoundsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -426,6 +443,11 @@ def add_RoundsServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.FromString,
                     response_serializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
+            ),
+            'Start': grpc.unary_unary_rpc_method_handler(
+                    servicer.Start,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.StartRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.StartResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -536,6 +558,33 @@ class Rounds:
             '/peerd.v1.Rounds/Exchange',
             peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
             peerd_dot_v1_dot_peerd__pb2.TensorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Start(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.v1.Rounds/Start',
+            peerd_dot_v1_dot_peerd__pb2.StartRequest.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.StartResponse.FromString,
             options,
             channel_credentials,
             insecure,
