@@ -134,9 +134,12 @@ class Swarm:
         wait_peers: bool = True,
         extra_args: list[str] | None = None,
         secure: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`secure` runs peers with TLS (no --insecure), as `peerd start` does by default."""
+        """`secure` runs peers with TLS (no --insecure), as `peerd start` does by default; `env`: extra environment of
+        every peer `start()` spawns (fault injectors)."""
         self.secure = secure
+        self.env = env
         self.tmp_path = tmp_path
         self.n = n
         self.config = config or tiny_config(tmp_path)
@@ -193,11 +196,11 @@ class Swarm:
 
     def start(self) -> Swarm:
         wait = self.n if self.wait_peers else 0
-        first = self.spawn(0, None, wait_peers=wait)
+        first = self.spawn(0, None, wait_peers=wait, env=self.env)
         self.peers.append(first)
         boot = self.boot_address(0)
         for i in range(1, self.n):
-            self.peers.append(self.spawn(i, boot, wait_peers=wait))
+            self.peers.append(self.spawn(i, boot, wait_peers=wait, env=self.env))
         for p in self.peers:
             p.wait_file("address")
         return self

@@ -56,7 +56,10 @@ def test_unspecified_addresses_are_not_remembered(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_peer_whose_bootstrap_left_rejoins_through_a_remembered_peer(tmp_path: Path) -> None:
-    swarm = Swarm(tmp_path, 3, tiny_config(tmp_path, run__outer_steps=40))
+    # Paced (0.2 s per outer step): alone, peer 1 would otherwise finish its last 36 steps in the 1.5 s peer 2 takes
+    # to restart, and peer 2 would only download the final state instead of training with it.
+    slow = {"PEERD_FAULT_STEP_DELAY_S": "0.04"}
+    swarm = Swarm(tmp_path, 3, tiny_config(tmp_path, run__outer_steps=40), env=slow)
     with swarm:
         p0, p1, p2 = swarm.peers
         cache = p2.data_dir / peercache.FILE
@@ -64,7 +67,7 @@ def test_a_peer_whose_bootstrap_left_rejoins_through_a_remembered_peer(tmp_path:
         swarm.wait_until(lambda: p2.status().outer_step >= 3, 120, "step 3")
         p0.kill()  # the bootstrap peer leaves for good
         p2.kill()
-        again = swarm.spawn(2, p0.address)  # restarted with the dead bootstrap address, as its service file says
+        again = swarm.spawn(2, p0.address, env=slow)  # restarted with the dead bootstrap address, as its unit says
         swarm.peers[2] = again
         swarm.wait_exit(240, [p1, again])
     log = again.log()
