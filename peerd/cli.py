@@ -368,8 +368,9 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
     live = _live_progress(daemon, cfg.run.outer_steps, shutdown.stop) if sys.stderr.isatty() else None
     worker = None
     try:
-        if args.wait_peers > 1:
-            daemon.wait_for_peers(args.wait_peers, shutdown.stop)
+        together = args.wait_peers  # start together with this many peers (1: nobody to wait for at the barrier)
+        if args.wait_peers > 1 and not daemon.wait_for_peers(args.wait_peers, shutdown.stop):
+            together = 1
         try:
             worker = Worker(
                 cfg,
@@ -383,7 +384,7 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
             )
         except ValueError as exc:  # bad model/data factory, data path, ...
             raise UserError(f"cannot start training: {exc}") from exc
-        daemon.start_training(args.wait_peers)
+        daemon.start_training(together)
         shutdown.training()
         try:
             worker.run(shutdown.stop)

@@ -319,8 +319,9 @@ class Daemon:
         self._tasks.append(asyncio.ensure_future(self.gossip.redial_loop(self._stopping)))
         self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
 
-    def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> None:
-        """Block until `n` peers (us included) are settled members, so the first round has one leader for all."""
+    def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> bool:
+        """Block until `n` peers (us included) are settled members, so the first round has one leader for all; False
+        when they did not all show up (then nobody waits for them at the start barrier either)."""
         deadline = time.monotonic() + timeout
 
         async def settled() -> int:
@@ -329,7 +330,7 @@ class Daemon:
         while (have := self.call(settled())) < n and not stop.is_set():
             if time.monotonic() > deadline:
                 log.warning("only %d of %d peers showed up; training anyway", have, n)
-                return
+                return False
             time.sleep(0.1)
         # NoLoCo: a peer nobody can propose to yet would only ever propose itself (and reachable peers would wait at
         # their boundary for it), so a swarm started together also waits until every outbound-only member's relay is
@@ -337,8 +338,9 @@ class Daemon:
         while (waiting := self.call(unrelayed(self))) and not stop.is_set():
             if time.monotonic() > deadline:
                 log.warning("outbound-only peers %s have no relay yet; training anyway", [w[:8] for w in waiting])
-                return
+                return True
             time.sleep(0.1)
+        return True
 
     def start_training(self, wait_peers: int) -> None:
         """Called once, right before the first inner step: with `--wait-peers N` (N > 1) wait at the start barrier
