@@ -72,26 +72,25 @@ def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     return seal_frame(parse_header(frame), body)
 
 
-def step_delay() -> float:
-    """PEERD_FAULT_STEP_DELAY_S=0.05: sleep this long after every inner step (a slower peer, or paced tests whose
-    network faults must land mid-run however fast the machine is)."""
-    raw = _env("PEERD_FAULT_STEP_DELAY_S")
+def _delay(name: str) -> float:
+    """Seconds from env var `name`, 0 when unset, unreadable or outside (0, 60)."""
     try:
-        value = float(raw) if raw else 0.0
+        value = float(_env(name) or 0.0)
     except ValueError:
         return 0.0
     return value if 0.0 < value < 60.0 else 0.0
+
+
+def step_delay() -> float:
+    """PEERD_FAULT_STEP_DELAY_S=0.05: sleep this long after every inner step (a slower peer, or paced tests whose
+    network faults must land mid-run however fast the machine is)."""
+    return _delay("PEERD_FAULT_STEP_DELAY_S")
 
 
 def start_delay() -> float:
     """PEERD_FAULT_START_DELAY_S=2: sleep this long before the first inner step (and before the start barrier): a
     peer whose model build or data load takes longer than its partners'."""
-    raw = _env("PEERD_FAULT_START_DELAY_S")
-    try:
-        value = float(raw) if raw else 0.0
-    except ValueError:
-        return 0.0
-    return value if 0.0 < value < 60.0 else 0.0
+    return _delay("PEERD_FAULT_START_DELAY_S")
 
 
 # Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
