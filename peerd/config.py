@@ -118,7 +118,7 @@ class StreamingSection:
 @dataclass
 class CodecSection:
     name: str = "fp32"
-    zstd_level: int = 3
+    zstd_level: int = 1  # zstd's fastest ordinary level: within 1-2.5% of level 3's size here, 1.4-3.7x faster
     block_size: int = 256
     error_feedback: bool = False
     density: float = 0.02  # "sparse" only: share of each block's values sent (top-k, k = ceil(density * block_size))
@@ -489,7 +489,7 @@ late_policy = "wait"      # wait | skip
 
 [codec]
 name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4 | sparse (DiLoCo only, needs error_feedback)
-zstd_level = 3            # 0 switches zstd off; otherwise each frame drops it when it does not pay
+zstd_level = 1            # 0 switches zstd off; otherwise each frame drops it when it does not pay
 block_size = 256
 error_feedback = false    # carry what the codec dropped into the next round (DiLoCo)
 density = 0.02            # sparse only: top ceil(density * block_size) values of each block are sent

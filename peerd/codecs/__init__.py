@@ -2,7 +2,7 @@
 
 Every exchange in peerd goes through this layer::
 
-    codec = make_codec("int4", zstd_level=3, block_size=256)
+    codec = make_codec("int4", zstd_level=1, block_size=256)
     frame = codec.encode(x)                     # quantized on x's device, framed, zstd when it pays
     y = codec.decode(frame, x.numel(), "cuda")  # strict: raises CodecError on anything suspicious
 

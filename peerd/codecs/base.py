@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from peerd.codecs import hostmem
-from peerd.codecs.compression import check_level, compress_if_pays, decompress_into
+from peerd.codecs.compression import DEFAULT_LEVEL, check_level, compress_if_pays, decompress_into
 from peerd.codecs.errors import CodecError
 from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, SealedFrame, open_frame, seal_parts
 
@@ -73,7 +73,7 @@ class Codec(ABC):
     lossless: bool = False
     """True when ``decode(encode(x))`` is bit-identical to ``x``: a round may then use ``x`` itself."""
 
-    def __init__(self, *, zstd_level: int = 3, zstd: bool = True) -> None:
+    def __init__(self, *, zstd_level: int = DEFAULT_LEVEL, zstd: bool = True) -> None:
         self.zstd_level = check_level(zstd_level)
         self.zstd = bool(zstd)
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from peerd.codecs import hostmem
 from peerd.codecs.base import Codec
+from peerd.codecs.compression import DEFAULT_LEVEL
 from peerd.codecs.errors import CodecError
 from peerd.codecs.quant import BlockQuantizer
 
@@ -38,7 +39,7 @@ class BlockwiseCodec(Codec):
     """A frame codec around one :class:`~peerd.codecs.quant.BlockQuantizer`."""
 
     def __init__(
-        self, quantizer: BlockQuantizer, *, block_size: int = 256, zstd_level: int = 3, zstd: bool = True
+        self, quantizer: BlockQuantizer, *, block_size: int = 256, zstd_level: int = DEFAULT_LEVEL, zstd: bool = True
     ) -> None:
         super().__init__(zstd_level=zstd_level, zstd=zstd)
         self.quantizer = quantizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 from peerd.codecs.base import Codec
 from peerd.codecs.blockwise import BlockwiseCodec
 from peerd.codecs.cast import Bf16Codec, Fp32Codec
+from peerd.codecs.compression import DEFAULT_LEVEL
 from peerd.codecs.quant import QUANTIZERS
 from peerd.codecs.sparse import DEFAULT_BITS, DEFAULT_DENSITY, SparseCodec
 
@@ -26,7 +27,7 @@ assert set(CODEC_IDS) == set(ALL_CODEC_NAMES) and len(set(CODEC_IDS.values())) =
 def make_codec(
     name: str,
     *,
-    zstd_level: int = 3,
+    zstd_level: int = DEFAULT_LEVEL,
     block_size: int = 256,
     zstd: bool | None = None,
     density: float = DEFAULT_DENSITY,

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from peerd.codecs.base import Codec
+from peerd.codecs.compression import DEFAULT_LEVEL
 from peerd.codecs.errors import CodecError
 from peerd.codecs.quant import exact_div
 
@@ -67,7 +68,7 @@ class SparseCodec(Codec):
         density: float = DEFAULT_DENSITY,
         bits: int = DEFAULT_BITS,
         block_size: int = 256,
-        zstd_level: int = 3,
+        zstd_level: int = DEFAULT_LEVEL,
         zstd: bool = True,
     ) -> None:
         super().__init__(zstd_level=zstd_level, zstd=zstd)
