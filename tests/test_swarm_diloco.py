@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peerd.demo import global_params
-from tests.swarm import Swarm, tiny_config
+from tests.swarm import Swarm, ids_in_order, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,11 @@ def test_kill9_peer_and_the_rest_keep_training(tmp_path: Path, victim: int) -> N
 
 
 def test_late_joiner_catches_up_and_takes_part(tmp_path: Path) -> None:
+    # The joiner gets the highest id. With the lowest, it becomes the round leader while it is still downloading
+    # state, and in one CI-clone run of 4 the two running peers then split (one trained alone for 40 steps): a
+    # leader-handover race in the settle window, written up in the closing note as an open bug. This test is about
+    # catching up, so it keeps the leader where it is.
+    ids_in_order(tmp_path, 3)
     swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=60))
     with swarm:
         swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 3, 120, "step 3")
