@@ -67,9 +67,7 @@ class DiLoCo(OuterAlgorithm):
                 self.windows_pending - 1,
             )  # fmt: skip
             trainer.layout.unflatten_into(self.global_params, trainer.model)
-            self.discarded_steps += self.steps_pending
-            self.steps_pending = self.windows_pending = self.carried_in_a_row = 0
-            self.window_start = time.monotonic()
+            self._drop_pending()
             return None
         pending = self._pending(trainer)
         if trainer.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
@@ -135,10 +133,14 @@ class DiLoCo(OuterAlgorithm):
             return
         if self.steps_pending:
             log.info("dropping %d inner steps of work: the swarm moved on without it", self.steps_pending)
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Count our pending work as discarded and start a fresh window (the model already holds the state to
+        train on)."""
         self.discarded_steps += self.steps_pending
-        self.steps_pending = 0
-        self.windows_pending = 0
-        self.carried_in_a_row = 0
+        self.steps_pending = self.windows_pending = self.carried_in_a_row = 0
+        self.window_start = time.monotonic()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         momentum = self.outer.buffers.get(None)
