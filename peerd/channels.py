@@ -130,6 +130,11 @@ class Channels:
             self._channels[key] = ch
         return ch
 
+    def connected(self, address: str, peer: pb.PeerInfo | None = None) -> bool:
+        """Is our connection to `address` up? A call that timed out on a connected channel met a slow or busy link,
+        not a dead peer."""
+        return self.channel(address, peer).get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
     def membership(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.MembershipStub:
         return rpc.MembershipStub(self.channel(address, peer))
 

@@ -18,7 +18,7 @@ import grpc
 
 from peerd import bootstrap, peercache, tls
 from peerd.bootstrap import unspecified
-from peerd.channels import UNREACHABLE
+from peerd.channels import UNREACHABLE, connection_failed
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -258,7 +258,11 @@ class Gossip:
                 req, timeout=max(2.0, self.d.cfg.network.gossip_interval)
             )
         except grpc.aio.AioRpcError as exc:
-            if mark and exc.code() in UNREACHABLE:
+            # A gossip call that overran its deadline on a connected channel met a busy slow link (a round's bytes
+            # queued ahead of it), not a dead peer: marking it dead made leaders close groups without it and split
+            # the step. A peer we cannot connect to is marked at once; silence for peer_timeout drops the rest.
+            down = connection_failed(exc) or not self.d.channels.connected(peer.address, peer)
+            if mark and exc.code() in UNREACHABLE and down:
                 self.d.membership.mark_unreachable(peer.peer_id)
             self.d.count_sent("gossip", 0, req.ByteSize())
             return False
