@@ -116,7 +116,10 @@ class RoundClient:
         # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
         # here made members give up on a live leader, lead themselves and split the swarm.
         timeout = 3 * self.d.cfg.network.rendezvous_timeout + 10.0
-        for _ in range(16):
+        patient_until = time.monotonic() + self.d.cfg.network.rendezvous_timeout
+        hops = 0
+        while hops < 16:
+            hops += 1
             if target is None:
                 # outbound-only peers never lead: nobody could dial them
                 first = self._first_leader([p for p in self.d.membership.settled() if p.peer_id not in tried])
@@ -177,6 +180,13 @@ class RoundClient:
                 nxt = resp.redirect
                 if nxt.peer_id in gone:  # it has not noticed yet: ask again, naming the dead leader
                     await asyncio.sleep(0.05)
+                    continue
+                if nxt.peer_id in self.no_lead and time.monotonic() < patient_until:
+                    # Our last round flagged that peer, so it may not lead this step. The target is still finishing
+                    # that round (its rule is a step behind ours): following it sent us to a group nobody else
+                    # joined, and we missed the step. Ask the target again once it has caught up.
+                    hops -= 1
+                    await asyncio.sleep(0.1)
                     continue
                 if nxt.peer_id >= target.peer_id or nxt.peer_id in tried:
                     tried.add(target.peer_id)

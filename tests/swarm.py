@@ -38,10 +38,10 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def ids_in_order(tmp_path: Path, n: int) -> None:
-    """Give peer0 .. peer{n-1} identity keys whose ids ascend, so a test knows which peers are the lowest ids (round
-    leaders are the lowest live id; a hostile leader is a limitation of its own, see SECURITY.md)."""
-    keys = sorted((Identity.generate() for _ in range(n)), key=lambda ident: ident.peer_id)
+def ids_in_order(tmp_path: Path, n: int, descending: bool = False) -> None:
+    """Give peer0 .. peer{n-1} identity keys whose ids ascend (or descend), so a test knows which peers are the lowest
+    ids (round leaders are the lowest live id; a hostile leader is a limitation of its own, see SECURITY.md)."""
+    keys = sorted((Identity.generate() for _ in range(n)), key=lambda ident: ident.peer_id, reverse=descending)
     for i, ident in enumerate(keys):
         (tmp_path / f"peer{i}").mkdir(parents=True, exist_ok=True)
         raw = ident.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
