@@ -253,15 +253,19 @@ class Gossip:
         view = self.d.membership.gossip_view(limit=self.d.cfg.network.gossip_entries)
         req = sign(pb.GossipRequest(peers=view), "Gossip", self.d.identity, self.d.run_id)
         t0 = time.monotonic()
+        timeout = max(2.0, self.d.cfg.network.gossip_interval)
         try:
-            resp = await self.d.channels.membership(peer.address, peer).Gossip(
-                req, timeout=max(2.0, self.d.cfg.network.gossip_interval)
-            )
+            resp = await self.d.channels.membership(peer.address, peer).Gossip(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            # A gossip call that overran its deadline on a connected channel met a busy slow link (a round's bytes
-            # queued ahead of it), not a dead peer: marking it dead made leaders close groups without it and split
-            # the step. A peer we cannot connect to is marked at once; silence for peer_timeout drops the rest.
-            down = connection_failed(exc) or not self.d.channels.connected(peer.address, peer)
+            # A gossip call that overran its deadline on a connected channel, from a peer whose heartbeat still
+            # reached us meanwhile, met a busy slow link (a round's bytes queued ahead of it), not a dead peer:
+            # marking it dead made leaders close groups without it and split the step. Refused connections, and
+            # peers silent for as long as the call waited (a frozen host keeps its sockets open), are marked.
+            down = (
+                connection_failed(exc)
+                or not self.d.channels.connected(peer.address, peer)
+                or self.d.membership.silent_for(peer.peer_id) >= timeout
+            )
             if mark and exc.code() in UNREACHABLE and down:
                 self.d.membership.mark_unreachable(peer.peer_id)
             self.d.count_sent("gossip", 0, req.ByteSize())
