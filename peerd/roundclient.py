@@ -65,12 +65,18 @@ class RoundClient:
         # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
         # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
         # only just joined (settled in one requester's view, not yet in another's) would otherwise make two leaders.
-        excluded = set(request.suspects) - {self.d.identity.peer_id}
-        # A peer the swarm flags slow or faulty (peerd/timings.py) hands the lead on even to a higher id; the
-        # requester then skips it (a redirect upwards marks it tried), so redirects still cannot loop.
+        # A peer the swarm flags slow or faulty (peerd/timings.py) hands the lead on even to a higher id; so does a
+        # peer more than a step behind the round (a newcomer or a restarted peer still fetching the swarm's state:
+        # leading with a stale view of the others' steps, it expected only the requester, closed groups of one and
+        # split the swarm around a join, seen in CI). The requester skips it and names it to the next candidate
+        # (`declined`), which must not send it back: that ping-pong made two peers lead groups of one each.
         me = self.d.identity.peer_id
+        lagging = request.step > self.d.status.outer_step + 1
+        excluded = (set(request.suspects) | set(request.declined[:64])) - {me}
+        if lagging:
+            excluded.add(me)
         leader = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in excluded])
-        if leader is not None and leader.peer_id != me and (leader.peer_id < me or me in self.no_lead):
+        if leader is not None and leader.peer_id != me and (leader.peer_id < me or me in self.no_lead or lagging):
             return pb.RendezvousResponse(redirect=leader)
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
         behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
@@ -112,6 +118,7 @@ class RoundClient:
         tried = set(avoid)
         gone: set[str] = set()  # leaders we could not reach: named to the next one, so it leads instead of sending
         # us back to a peer it has not noticed is dead (that made two survivors lead groups of one each)
+        declined: set[str] = set()  # candidates that handed the lead on upwards: named to the next one likewise
         target: pb.PeerInfo | None = None
         # The leader may extend a group's deadline twice while it waits for a quorum (rendezvous.py); a shorter wait
         # here made members give up on a live leader, lead themselves and split the swarm.
@@ -148,6 +155,7 @@ class RoundClient:
                     step=step,
                     attempt=attempt,
                     suspects=sorted(avoid | gone),
+                    declined=sorted(declined),
                     fragment=fragment,
                     failed_round=failed_round,
                     work=mine.work,
@@ -189,6 +197,8 @@ class RoundClient:
                     await asyncio.sleep(0.1)
                     continue
                 if nxt.peer_id >= target.peer_id or nxt.peer_id in tried:
+                    if nxt.peer_id > target.peer_id:
+                        declined.add(target.peer_id)
                     tried.add(target.peer_id)
                     target = None
                 else:

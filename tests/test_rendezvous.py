@@ -64,6 +64,28 @@ def test_two_members_blaming_a_peer_keep_it_out_even_when_the_leader_only_heard_
     asyncio.run(main())
 
 
+def test_a_retry_waits_for_the_members_the_corrupt_peer_names() -> None:
+    """After a corrupt peer's round failed, it names every honest member. The leader still waits for them: one
+    joiner's word stopped it waiting, and it closed its retry group with itself alone (seen in CI)."""
+
+    async def main() -> None:
+        m, (lead, a, b, bad) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 0)
+        first = [
+            asyncio.ensure_future(leader.join(0, -1, lead, [bad.peer_id])),
+            asyncio.ensure_future(leader.join(0, -1, bad, [lead.peer_id, a.peer_id, b.peer_id])),
+        ]
+        await asyncio.sleep(0.2)
+        assert not any(f.done() for f in first)  # a and b are still expected
+        rest = [asyncio.ensure_future(leader.join(0, -1, who, [bad.peer_id])) for who in (a, b)]
+        lead_resp, bad_resp, a_resp, b_resp = await asyncio.wait_for(asyncio.gather(*first, *rest), 4.0)
+        assert bad_resp.WhichOneof("result") == "behind"
+        assert [x.peer_id for x in lead_resp.group.members] == sorted([lead.peer_id, a.peer_id, b.peer_id])
+        assert a_resp.group == lead_resp.group == b_resp.group
+
+    asyncio.run(main())
+
+
 def test_one_open_group_per_step_whatever_the_attempt_counters() -> None:
     """Members at different attempt numbers still meet in one group; only naming the failed group opens the next,
     and a late peer that was not in a closed group is told it is behind instead of opening a group of its own."""

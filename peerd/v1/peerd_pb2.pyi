@@ -314,7 +314,7 @@ class OuterStepRecord(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens")
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens", "declined")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +324,7 @@ class RendezvousRequest(_message.Message):
     WORK_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     step: int
     attempt: int
@@ -333,7 +334,8 @@ class RendezvousRequest(_message.Message):
     work: int
     state_digest: bytes
     tokens: int
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
+    declined: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms")
