@@ -292,6 +292,8 @@ def _start(args: argparse.Namespace) -> int:
 def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
     level = logging.DEBUG if args.debug else getattr(logging, args.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # grpc's own debug lines ("Loaded running loop", one per call) buried peerd's under --debug
+    logging.getLogger("grpc").setLevel(max(level, logging.INFO))
     log = logging.getLogger("peerd")
     _check_start_args(args)
     cfg = RunConfig.load(args.config)
