@@ -118,7 +118,8 @@ class StreamingSection:
 @dataclass
 class CodecSection:
     name: str = "fp32"
-    zstd_level: int = 1  # zstd's fastest ordinary level: within 1-2.5% of level 3's size here, 1.4-3.7x faster
+    # codecs.compression.DEFAULT_LEVEL (importing it here would load torch; tests/test_codecs.py keeps them equal)
+    zstd_level: int = 1
     block_size: int = 256
     error_feedback: bool = False
     density: float = 0.02  # "sparse" only: share of each block's values sent (top-k, k = ceil(density * block_size))

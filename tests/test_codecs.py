@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 import peerd.codecs.blockwise as blockwise
 from peerd.codecs import CODEC_IDS, CODEC_NAMES, HEADER_SIZE, TRAILER_SIZE, CodecError, ErrorFeedback, make_codec
 from peerd.codecs import parse_header as parse
+from peerd.codecs.compression import DEFAULT_LEVEL
+from peerd.config import CodecSection
 
 BLOCKWISE = ("int8", "fp8", "e3m0", "int4")
 LOSSY = ("bf16", *BLOCKWISE)
@@ -170,6 +172,10 @@ def test_random_tensors_within_bound(n: int, seed: int, log_scale: int, block: i
     x = (torch.randn(n, generator=g).double() * 10.0**log_scale).float()
     for name in CODEC_NAMES:
         assert_within_bound(name, x, roundtrip(name, x, block), block)
+
+
+def test_the_run_config_and_the_codecs_default_to_one_zstd_level() -> None:
+    assert CodecSection().zstd_level == DEFAULT_LEVEL == make_codec("int8").zstd_level
 
 
 def test_int_codecs_round_to_nearest_step() -> None:
