@@ -87,7 +87,10 @@ def test_late_joiner_catches_up_and_takes_part(tmp_path: Path, joiner_id: str) -
     """With the lowest id the joiner is the next round leader, but only once it holds the swarm's state: leading
     while it still downloaded, it once made the two running peers split (one trained alone for 40 steps)."""
     ids_in_order(tmp_path, 3, descending=joiner_id == "lowest")
-    swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=60))
+    # Paced steps (~0.4 s each): unpaced, the two peers ran all 60 steps in ~9 s, so on a loaded CI machine the joiner
+    # (still importing torch) arrived after the last round and downloaded the final state without taking part.
+    paced = {"PEERD_FAULT_STEP_DELAY_S": "0.08"}
+    swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=60), env=paced)
     with swarm:
         swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 3, 120, "step 3")
         late = swarm.add_peer(bootstrap_index=1)
