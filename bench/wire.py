@@ -1,7 +1,7 @@
 """The wire at the link's limit: a DiLoCo round's time on tbf-shaped links against raw TCP moving the same bytes.
 
     python -m bench.wire [--quick] [--params 10_000_000] [--peers 2,4] [--rates 20,100] [--codecs int8,int4,fp32]
-                         [--repeats 3] [--plaintext] [--json]
+                         [--repeats 3] [--plaintext] [--raw-pairs] [--json]
 
 Needs root (network namespaces, see bench/slowlink.py). For every (peers, rate) one SlowLinkNet is built; in it,
 for every codec:
@@ -43,12 +43,13 @@ PORT = 47311
 RAW_PORT = 47312
 BENCH_NETWORK = {"gossip_interval": 0.3, "peer_timeout": 5.0, "rendezvous_timeout": 20.0, "round_timeout": 300.0}
 
-# One raw-TCP peer: listens, connects to every higher-index peer (one connection per pair), then on "go" sends
-# argv[3] bytes on every connection while reading as many, and reports the time to its last byte received.
+# One raw-TCP peer: listens, connects to every higher-index peer (one connection per pair; with argv[5] == "2", to
+# every other peer: two per pair, each side dialling, as peerd's rounds do), then on "go" sends argv[3] bytes on every
+# connection while reading as many, and reports the time to its last byte received.
 _RAW_PEER = r"""
 import json, socket, sys, threading, time
 idx, n, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-port, addrs = int(sys.argv[4]), sys.argv[5:]
+port, pairs, addrs = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:]
 srv = socket.socket()
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("0.0.0.0", port))
@@ -56,9 +57,10 @@ srv.listen(64)
 print("ready", flush=True)
 sys.stdin.readline()
 conns = []
-for j in range(idx + 1, n):
-    conns.append(socket.create_connection((addrs[j], port), timeout=30))
-for _ in range(idx):
+for j in range(0 if pairs == 2 else idx + 1, n):
+    if j != idx:
+        conns.append(socket.create_connection((addrs[j], port), timeout=30))
+for _ in range(n - 1 if pairs == 2 else idx):
     c, _ = srv.accept()
     conns.append(c)
 print("connected", flush=True)
@@ -169,12 +171,14 @@ def run_rounds(net: SlowLinkNet, n: int, codec: str, args: argparse.Namespace, w
     return [json.loads((workdir / f"r{i}.json").read_text()) for i in range(n)]
 
 
-def raw_tcp(net: SlowLinkNet, n: int, nbytes: int) -> float:
-    """Seconds for every pair to move `nbytes` each way over one fresh TCP connection, all pairs at once."""
+def raw_tcp(net: SlowLinkNet, n: int, nbytes: int, pairs: int = 1) -> float:
+    """Seconds for every pair to move `nbytes` each way over one fresh TCP connection, all pairs at once. With
+    `pairs=2`, over two (each side dials the other, and each connection carries half the bytes both ways)."""
     py = [sys.executable, "-I", "-S", "-c", _RAW_PEER]
     addrs = [net.address(i) for i in range(n)]
+    each = nbytes // pairs
     procs = [
-        net.popen(i, [*py, str(i), str(n), str(nbytes), str(RAW_PORT), *addrs],
+        net.popen(i, [*py, str(i), str(n), str(each), str(RAW_PORT), str(pairs), *addrs],
                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for i in range(n)
     ]  # fmt: skip
@@ -216,7 +220,9 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
             reduce = statistics.median(max(r[k]["reduce"] for r in results) for k in rounds)
             sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
             per_pair = sent // (n - 1)
-            raw = statistics.median(raw_tcp(net, n, per_pair) for _ in range(args.repeats))
+            kinds = (1, 2) if args.raw_pairs else (1,)
+            runs = [[raw_tcp(net, n, per_pair, p) for p in kinds] for _ in range(args.repeats)]
+            raw = statistics.median(r[0] for r in runs)
             d2 = _drops(net, n)
             limit = sent * 8 / (rate * 1e6)  # this peer's uplink busy the whole time
             row = {
@@ -226,6 +232,8 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
                 "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
                 "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
             }  # fmt: skip
+            if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
+                row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
             rows.append(row)
             print(
                 f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
@@ -233,6 +241,12 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
                 f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f}",
                 flush=True,
             )
+            if args.raw_pairs:
+                print(
+                    f"      raw TCP over two connections per pair: {row['raw_tcp_2conn_s']:.2f} s "
+                    f"(one connection per pair / two: {raw / row['raw_tcp_2conn_s']:.3f})",
+                    flush=True,
+                )
     return rows
 
 
@@ -248,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plaintext", action="store_true", help="no TLS (peerd start uses TLS)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--raw-pairs", action="store_true", help="also time raw TCP over two connections per pair (six flows per "
+        "uplink at 4 peers, as peerd's rounds use), to see whether the connection count costs goodput (drops/t then "
+        "counts both kinds of raw run)"
+    )  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=2, help=argparse.SUPPRESS)
