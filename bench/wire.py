@@ -26,6 +26,7 @@ nothing. Raw TCP all-to-all is that limit as TCP (headers, start-up, n-1 flows s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.slowlink import SlowLinkError, SlowLinkNet, available
+from bench.uplink_trace import UplinkTrace, render
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 47311
@@ -208,46 +210,74 @@ def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any
     rows = []
     with SlowLinkNet(n, rate) as net:
         for codec in args.codecs.split(","):
-            d0 = _drops(net, n)
-            with tempfile.TemporaryDirectory(prefix="peerd-bench-wire-") as tmp:
-                results = run_rounds(net, n, codec, args, Path(tmp))
-            d1 = _drops(net, n)
-            rounds = range(1, args.repeats + 1)  # round 0 is the warm-up
-            # from the last member's start (the others wait for it in rendezvous) to the last member's end
-            wall = statistics.median(
-                max(r[k]["end"] for r in results) - max(r[k]["start"] for r in results) for k in rounds
-            )
-            reduce = statistics.median(max(r[k]["reduce"] for r in results) for k in rounds)
-            sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
-            per_pair = sent // (n - 1)
-            kinds = (1, 2) if args.raw_pairs else (1,)
-            runs = [[raw_tcp(net, n, per_pair, p) for p in kinds] for _ in range(args.repeats)]
-            raw = statistics.median(r[0] for r in runs)
-            d2 = _drops(net, n)
-            limit = sent * 8 / (rate * 1e6)  # this peer's uplink busy the whole time
-            row = {
-                "peers": n, "rate_mbit": rate, "codec": codec, "params": args.params, "sent_mb_per_peer": sent / 1e6,
-                "round_s": wall, "reduce_s": reduce, "raw_tcp_s": raw, "link_limit_s": limit,
-                "round_vs_raw": raw / wall, "reduce_vs_raw": raw / reduce, "round_vs_rate": limit / wall,
-                "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
-                "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
-            }  # fmt: skip
-            if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
-                row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
+            trace = UplinkTrace(net, n) if args.trace else contextlib.nullcontext()
+            with trace:
+                row = _measure_codec(net, n, rate, codec, args)
+            if isinstance(trace, UplinkTrace):
+                _print_trace(trace, row, n, rate)
+            row.pop("_windows"), row.pop("_raw_windows")
             rows.append(row)
-            print(
-                f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
-                f"{row['round_vs_raw']:>9.3f} {row['reduce_vs_raw']:>10.3f} {row['round_vs_rate']:>9.3f} "
-                f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f}",
-                flush=True,
-            )
-            if args.raw_pairs:
-                print(
-                    f"      raw TCP over two connections per pair: {row['raw_tcp_2conn_s']:.2f} s "
-                    f"(one connection per pair / two: {raw / row['raw_tcp_2conn_s']:.3f})",
-                    flush=True,
-                )
     return rows
+
+
+def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argparse.Namespace) -> dict[str, Any]:
+    d0 = _drops(net, n)
+    with tempfile.TemporaryDirectory(prefix="peerd-bench-wire-") as tmp:
+        results = run_rounds(net, n, codec, args, Path(tmp))
+    d1 = _drops(net, n)
+    rounds = range(1, args.repeats + 1)  # round 0 is the warm-up
+    # from the last member's start (the others wait for it in rendezvous) to the last member's end
+    wall = statistics.median(max(r[k]["end"] for r in results) - max(r[k]["start"] for r in results) for k in rounds)
+    reduce = statistics.median(max(r[k]["reduce"] for r in results) for k in rounds)
+    sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
+    per_pair = sent // (n - 1)
+    kinds = (1, 2) if args.raw_pairs else (1,)
+    runs, raw_windows = [], []
+    for _ in range(args.repeats):
+        runs.append([raw_tcp(net, n, per_pair, p) for p in kinds[:1]])
+        raw_windows.append((time.time() - runs[-1][0], time.time()))  # ~ from "go" to the peers' exit
+        runs[-1] += [raw_tcp(net, n, per_pair, p) for p in kinds[1:]]
+    raw = statistics.median(r[0] for r in runs)
+    d2 = _drops(net, n)
+    limit = sent * 8 / (rate * 1e6)  # this peer's uplink busy the whole time
+    row = {
+        "peers": n, "rate_mbit": rate, "codec": codec, "params": args.params, "sent_mb_per_peer": sent / 1e6,
+        "round_s": wall, "reduce_s": reduce, "raw_tcp_s": raw, "link_limit_s": limit,
+        "round_vs_raw": raw / wall, "reduce_vs_raw": raw / reduce, "round_vs_rate": limit / wall,
+        "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
+        "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
+    }  # fmt: skip
+    if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
+        row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
+    # for --trace: every measured round's [start, end] and every one-connection raw run's
+    row["_windows"] = [(max(r[k]["start"] for r in results), max(r[k]["end"] for r in results)) for k in rounds]
+    row["_raw_windows"] = raw_windows
+    print(
+        f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
+        f"{row['round_vs_raw']:>9.3f} {row['reduce_vs_raw']:>10.3f} {row['round_vs_rate']:>9.3f} "
+        f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f}",
+        flush=True,
+    )
+    if args.raw_pairs:
+        print(
+            f"      raw TCP over two connections per pair: {row['raw_tcp_2conn_s']:.2f} s "
+            f"(one connection per pair / two: {raw / row['raw_tcp_2conn_s']:.3f})",
+            flush=True,
+        )
+    return row
+
+
+def _print_trace(trace: UplinkTrace, row: dict[str, Any], n: int, rate: float) -> None:
+    """Each uplink's busy share per 0.5 s of every measured round and raw run (bench/uplink_trace.py), and the
+    median share over the whole round: where a round loses to raw TCP, this shows whether its uplinks idled."""
+    for what, windows in (("round", row["_windows"]), ("raw", row["_raw_windows"])):
+        shares = []
+        for k, (a, b) in enumerate(windows):
+            for i in range(n):
+                shares.append(trace.busy(i, a, b, rate))
+                print(f"      {what} {k + 1} peer {i}: |{render(trace.bins(i, a, b, rate))}|", flush=True)
+        row[f"{what}_uplink_busy"] = statistics.median(shares)
+        print(f"      {what}: uplinks busy {row[f'{what}_uplink_busy']:.1%} of the time (median)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plaintext", action="store_true", help="no TLS (peerd start uses TLS)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time")
     ap.add_argument(
         "--raw-pairs", action="store_true", help="also time raw TCP over two connections per pair (six flows per "
         "uplink at 4 peers, as peerd's rounds use), to see whether the connection count costs goodput (drops/t then "
