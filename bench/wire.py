@@ -1,7 +1,7 @@
 """The wire at the link's limit: a DiLoCo round's time on tbf-shaped links against raw TCP moving the same bytes.
 
     python -m bench.wire [--quick] [--params 10_000_000] [--peers 2,4] [--rates 20,100] [--codecs int8,int4,fp32]
-                         [--repeats 3] [--plaintext] [--raw-pairs] [--json]
+                         [--repeats 3] [--plaintext] [--raw-pairs] [--trace] [--json]
 
 Needs root (network namespaces, see bench/slowlink.py). For every (peers, rate) one SlowLinkNet is built; in it,
 for every codec:
