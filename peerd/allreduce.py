@@ -8,12 +8,13 @@ Each peer therefore sends and receives (n-1)/n of the vector twice (with all mem
 through one peer, and because every member (the owner included) decodes the *same bytes* of each averaged shard,
 all members end bit-identical.
 
-Shards travel in parts of at most PART_BYTES (256 KiB) of encoded data, cut on the codec's blocks so each part is a
-frame of its own that decodes to what the whole shard's frame would. The owner averages part k as soon as every
-member's part k arrived and sends it back while later parts still arrive, so the gather direction is busy from the
-first part on instead of starting cold after the whole shard (on a slow link that idle half-round cost ~20 % of the
-goodput). Screening needs whole contributions: the owner sums each one's squares part by part and judges them before its
-shard's last part leaves, so a refused contribution still fails the round before any member can complete it.
+Shards travel in parts of at most the group's part size (256 KiB; less on slow links: peerd/layout.py) of encoded data,
+cut on the codec's blocks so each part is a frame of its own that decodes to what the whole shard's frame would. The
+owner averages part k as soon as every member's part k arrived and sends it back while later parts still arrive, so the
+gather direction is busy from the first part on instead of starting cold after the whole shard (on a slow link that idle
+half-round cost ~20 % of the goodput). Screening needs whole contributions: the owner sums each one's squares part by
+part and judges them before its shard's last part leaves, so a refused contribution still fails the round before any
+member can complete it.
 
 A round is all-or-nothing: if any contribution is missing when the deadline passes, or any stream fails, the round
 fails on every member (owners abort the streams they serve, so a failure spreads in one round trip) and the caller

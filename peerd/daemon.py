@@ -277,6 +277,7 @@ class Daemon:
             # than everyone else's, so it was late again (see README "Slow and uneven peers", known limits)
             straggler_grace_s=min(max(1.0, 0.25 * window), self.cfg.network.rendezvous_timeout) if window else 0.0,
             flagged=self.timing.is_flagged,
+            stream_rate=self._stream_rate,
         )
         self._start_metrics()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -318,6 +319,11 @@ class Daemon:
         self._tasks.append(asyncio.ensure_future(self.gossip.gossip_loop(self._stopping)))
         self._tasks.append(asyncio.ensure_future(self.gossip.redial_loop(self._stopping)))
         self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
+
+    def _stream_rate(self, peer_id: str) -> float:
+        """The median bytes/s we measured of `peer_id`'s round streams (0: none yet), for the round's part size."""
+        stats = self.timing.local.peers.get(peer_id)
+        return stats.median("throughput") if stats is not None else 0.0
 
     def wait_for_peers(self, n: int, stop: threading.Event, timeout: float = 120.0) -> bool:
         """Block until `n` peers (us included) are settled members, so the first round has one leader for all; False

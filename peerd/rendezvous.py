@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from peerd.layout import part_bytes_for
 from peerd.membership import Membership
 from peerd.v1 import peerd_pb2 as pb
 
@@ -66,12 +67,14 @@ class RendezvousLeader:
         my_step: Callable[[], int],
         straggler_grace_s: float = 0.0,
         flagged: Callable[[str], bool] = lambda peer_id: False,
+        stream_rate: Callable[[str], float] = lambda peer_id: 0.0,
     ) -> None:
         self.membership = membership
         # Windowed runs (inner.window_s): once a majority joined, close within this many seconds rather than wait
         # for the slowest peer; a straggler is told `behind` and carries its work into the next round.
         self.straggler_grace_s = straggler_grace_s
         self.flagged = flagged  # flagged slow/faulty by the swarm (peerd/timings.py): no shards for them
+        self.stream_rate = stream_rate  # bytes/s we measured of a member's round streams (0: unknown): part size
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.my_step = my_step
@@ -261,6 +264,7 @@ class RendezvousLeader:
         flagged = [p.peer_id for p in members if self.flagged(p.peer_id)]
         if len(flagged) < sum(not p.outbound_only for p in members):  # someone must still own shards
             group.no_shards.extend(flagged)
+        group.part_bytes = part_bytes_for(self.stream_rate(p.peer_id) for p in members)
         first = min(pend.joined_at.values(), default=0.0)
         group.join_lag_ms.extend(int(1000 * (pend.joined_at.get(p.peer_id, first) - first)) for p in members)
         group.round_id = round_id(self.run_id, group)
@@ -273,7 +277,8 @@ class RendezvousLeader:
 
 
 def round_id(run_id: bytes, group: pb.Group) -> bytes:
-    """A round's id binds run, step, fragment, the leader's generation, the leader and the ordered member list."""
+    """A round's id binds run, step, fragment, the leader's generation, the leader, the ordered member list, and the
+    weights, shard owners and part size the leader picked."""
     h = hashlib.sha256(run_id)
     h.update(f"{group.step}/{group.fragment}/{group.attempt}/{group.leader}".encode())
     for m in group.members:
@@ -282,6 +287,8 @@ def round_id(run_id: bytes, group: pb.Group) -> bytes:
         h.update(b"tokens:" + ",".join(str(t) for t in group.tokens).encode())
     if group.no_shards:
         h.update(b"no_shards:" + ",".join(group.no_shards).encode())
+    if group.part_bytes:
+        h.update(b"part_bytes:%d" % group.part_bytes)
     return h.digest()
 
 

@@ -24,6 +24,7 @@ from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import UNREACHABLE
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
+from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind, member_weight
 from peerd.v1 import peerd_pb2 as pb
@@ -283,6 +284,14 @@ class RoundClient:
             group = resp.group
             rendezvous_s = time.perf_counter() - t_rv
             weight = member_weight(group, self.d.identity.peer_id)
+            try:
+                part_bytes = checked_part_bytes(group.part_bytes)
+            except ValueError as exc:  # every member refuses the same group: the retry asks for a new one
+                failed_round = bytes(group.round_id)
+                if group.leader != self.d.identity.peer_id:
+                    avoid.add(group.leader)
+                log.warning("round for step %d (attempt %d) refused: %s; retrying", step, attempt, exc)
+                continue
             rnd = ReduceRound(
                 group,
                 self.d.identity,
@@ -295,6 +304,7 @@ class RoundClient:
                 want_decoded,
                 guard=self.d.guard,
                 on_invalid=self.d.checks.invalid_contribution,
+                part_bytes=part_bytes,
             )
             self.register_round(group.round_id, rnd)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
@@ -418,6 +428,7 @@ class RoundClient:
             tokens=included_tokens(group, result.included),
             leader=group.leader,
             no_shards=list(group.no_shards),
+            part_bytes=group.part_bytes,
         )
         self.d.status.last_round = summary
         self.d.status.recent_rounds.append(summary)

@@ -27,6 +27,7 @@ from peerd.daemon import Daemon
 from peerd.ddp import DataParallel
 from peerd.diloco import DiLoCo
 from peerd.ensemble import Ensemble
+from peerd.layout import PART_BYTES
 from peerd.noloco import NoLoCo
 from peerd.statesync import StateSnapshot
 from peerd.streaming import StreamingDiLoCo
@@ -493,6 +494,7 @@ class Worker:
                     "tokens": list(r.tokens),
                     "leader": r.leader,
                     "no_shards": list(r.no_shards),
+                    "part_bytes": r.part_bytes or PART_BYTES,
                 }
                 for r in st.recent_rounds
             ],

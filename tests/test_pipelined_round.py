@@ -14,7 +14,18 @@ import pytest
 import torch
 
 from peerd.codecs import make_codec
-from peerd.layout import PART_BYTES, included_mask, part_bounds, part_elems, shard_bounds
+from peerd.layout import (
+    MIN_PART_BYTES,
+    PART_BYTES,
+    checked_part_bytes,
+    included_mask,
+    part_bounds,
+    part_bytes_for,
+    part_elems,
+    shard_bounds,
+)
+from peerd.rendezvous import round_id
+from peerd.v1 import peerd_pb2 as pb
 from tests.swarm import ids_in_order
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,12 +34,13 @@ NUMEL = 1_500_000  # 6 MB of fp32: 3 shards of 2 MB, each 8 parts of at most 256
 # One peer: join, wait for the others, average its seeded vector once, save the result.
 _WORKER = textwrap.dedent(
     """
-    import json, sys, threading, time
+    import json, os, sys, threading, time
     from pathlib import Path
     import torch
     from peerd.config import RunConfig
     from peerd.daemon import Daemon
     from peerd.identity import Identity
+    from peerd.statesync import StateSnapshot
     index, n, numel, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     net = {"gossip_interval": 0.3, "peer_timeout": 5.0, "rendezvous_timeout": 8.0, "round_timeout": 60.0}
     cfg = RunConfig.from_dict({"codec": {"name": "fp32"}, "network": net})
@@ -38,9 +50,14 @@ _WORKER = textwrap.dedent(
     d.wait_for_peers(n, threading.Event(), timeout=60)
     vec = torch.randn(numel, generator=torch.Generator().manual_seed(index))
     try:
-        r = d.allreduce(0, vec)
+        parts = []
+        for step in range(int(os.environ.get("PEERD_TEST_ROUNDS", "1"))):  # each later round: the leader measured us
+            if step:
+                d.publish(StateSnapshot(step, {}))
+            r = d.allreduce(step, vec)
+            parts.append(d.status.last_round.part_bytes)
         torch.save(r.average, out.with_suffix(".pt"))
-        res = {"id": d.identity.peer_id, "included": r.included}
+        res = {"id": d.identity.peer_id, "included": r.included, "part_bytes": parts}
     except Exception as exc:
         res = {"id": d.identity.peer_id, "error": repr(exc)}
     out.write_text(json.dumps(res))
@@ -99,6 +116,22 @@ def test_a_vector_of_many_parts_ends_bit_identical_on_three_peers(tmp_path: Path
     assert torch.allclose(first, expected, atol=1e-6)
 
 
+def test_a_slow_uplink_makes_the_leader_cut_smaller_parts(tmp_path: Path) -> None:
+    """Revision 5: peer 2's upload is paced to 8 Mbit/s. After one round the leader (peer 0) has measured its
+    streams, so it cuts the next round's shards into smaller parts: their return trip is what the pipeline cannot
+    hide on a slow link. The averages still agree bit for bit."""
+    ids_in_order(tmp_path, 3)
+    slow = {"PEERD_FAULT_UPLINK_MBIT": "8", "PEERD_TEST_ROUNDS": "2"}
+    results = _run_peers(tmp_path, 3, {0: {"PEERD_TEST_ROUNDS": "2"}, 1: {"PEERD_TEST_ROUNDS": "2"}, 2: slow})
+    for r, log in results:
+        assert "error" not in r, log[-3000:]
+        first, second = r["part_bytes"]
+        assert first == 0  # nothing measured yet: the default 256 KiB, not sent
+        assert MIN_PART_BYTES <= second < PART_BYTES, r
+    assert torch.equal(_average(tmp_path, 0), _average(tmp_path, 1))
+    assert torch.equal(_average(tmp_path, 0), _average(tmp_path, 2))
+
+
 def test_a_corrupt_later_part_aborts_the_round_naming_its_sender(tmp_path: Path) -> None:
     """Peer 2 sends its first two parts of every shard intact and corrupts the rest: by then the owners have sent
     averaged parts back, yet the round fails, the owners name peer 2, and the retry averages the other two alone."""
@@ -134,6 +167,23 @@ def test_small_parts_and_empty_shards() -> None:
     assert part_elems(codec, limit=100) == 256  # never less than one block, even when it exceeds the limit
     assert part_bounds(5, 5, 256) == [(5, 5)]  # an empty shard is one empty part: every stream carries one
     assert part_bounds(0, 600, 256) == [(0, 256), (256, 512), (512, 600)]
+
+
+def test_the_round_part_size_follows_the_slowest_measured_stream() -> None:
+    """Revision 5: the leader shrinks parts for slow links (the last part's return trip is not overlapped) and keeps
+    PART_BYTES (sent as 0) on fast ones, where per-part work dominates."""
+    assert part_bytes_for([]) == 0 and part_bytes_for([0.0, 0.0]) == 0  # nothing measured yet: the default
+    assert part_bytes_for([50e6, 20e6]) == 0  # LAN-class streams: 256 KiB
+    assert part_bytes_for([2.0e6, 0.9e6]) == 128 << 10  # 0.9 MB/s moves 180 KB in PART_SECONDS
+    assert part_bytes_for([2.0e6, 0.4e6]) == MIN_PART_BYTES  # a 20 Mbit/s uplink shared by six streams
+    assert part_bytes_for([1e3]) == MIN_PART_BYTES  # never below the floor
+    assert checked_part_bytes(0) == PART_BYTES and checked_part_bytes(MIN_PART_BYTES) == MIN_PART_BYTES
+    for bad in (1, MIN_PART_BYTES - 1, PART_BYTES + 1, 1 << 31):  # a leader cannot make parts tiny or huge
+        with pytest.raises(ValueError, match="outside"):
+            checked_part_bytes(bad)
+    group = pb.Group(step=3, leader="a", members=[pb.PeerInfo(peer_id="a"), pb.PeerInfo(peer_id="b")])
+    small = pb.Group(step=3, leader="a", members=group.members, part_bytes=MIN_PART_BYTES)
+    assert round_id(b"run", group) != round_id(b"run", small)  # members that cut different parts never meet
 
 
 def test_included_mask_is_a_bitmask_over_the_group_member_list() -> None:

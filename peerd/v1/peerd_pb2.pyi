@@ -196,7 +196,7 @@ class StatusRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ...) -> None: ...
 
 class RoundSummary(_message.Message):
-    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment", "tokens", "leader", "no_shards")
+    __slots__ = ("step", "algorithm", "included", "expected", "partial", "raw_bytes", "wire_bytes", "seconds", "note", "fragment", "tokens", "leader", "no_shards", "part_bytes")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class RoundSummary(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     NO_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     step: int
     algorithm: str
     included: _containers.RepeatedScalarFieldContainer[str]
@@ -223,7 +224,8 @@ class RoundSummary(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     leader: str
     no_shards: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., leader: _Optional[str] = ..., no_shards: _Optional[_Iterable[str]] = ...) -> None: ...
+    part_bytes: int
+    def __init__(self, step: _Optional[int] = ..., algorithm: _Optional[str] = ..., included: _Optional[_Iterable[str]] = ..., expected: _Optional[_Iterable[str]] = ..., partial: _Optional[bool] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ..., fragment: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., leader: _Optional[str] = ..., no_shards: _Optional[_Iterable[str]] = ..., part_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "peer_id", "address", "algorithm", "codec", "outer_step", "inner_step", "loss", "eval_loss", "tokens_per_second", "peers", "alive", "last_round", "bytes_sent_raw", "bytes_sent_wire", "bytes_received_wire", "compute_idle_seconds", "compute_seconds", "rounds_partial", "rounds_failed", "rejected_messages", "solo_steps", "recent_rounds", "finished", "state", "history", "redacted", "banned", "rejected_contributions", "work", "state_downloads", "forks_healed", "alone_since", "expected", "reachability", "relayed_bytes")
@@ -338,7 +340,7 @@ class RendezvousRequest(_message.Message):
     def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms")
+    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms", "part_bytes")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +351,7 @@ class Group(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NO_SHARDS_FIELD_NUMBER: _ClassVar[int]
     JOIN_LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     round_id: bytes
     step: int
     attempt: int
@@ -359,7 +362,8 @@ class Group(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     no_shards: _containers.RepeatedScalarFieldContainer[str]
     join_lag_ms: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+    part_bytes: int
+    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ..., part_bytes: _Optional[int] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group", "behind", "redirect")

@@ -374,9 +374,10 @@ class RoundsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reduce(self, request_iterator, context):
-        """One stream per (member, shard owner), deadline: what is left of network.round_timeout. The shard is cut into
-        parts of at most 256 KiB of encoded data (one block at least), on the codec's block boundaries (peerd/layout.py part_bounds: both sides
-        derive them from the round's layout), each part its own codec frame. Member -> owner, for every part k in order:
+        """One stream per (member, shard owner), deadline: what is left of network.round_timeout. The shard is cut into parts
+        of at most Group.part_bytes (256 KiB when 0) of encoded data (one block at least), on the codec's block boundaries
+        (peerd/layout.py part_bounds: both sides derive them from the round's layout), each part its own codec frame.
+        Member -> owner, for every part k in order:
         header (kind REDUCE, shard = the owner's index, part = k, numel = the part's), chunks, trailer. Owner -> member,
         part k as soon as every member's part k arrived and was summed: header (kind GATHER, part = k, included = whose
         contributions it averages), chunks, trailer: the same bytes to every member. Each trailer's digest starts from the
