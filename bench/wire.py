@@ -109,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     from peerd.config import RunConfig
     from peerd.daemon import Daemon
     from peerd.identity import Identity
+    from peerd.layout import PART_BYTES
     from peerd.statesync import StateSnapshot
 
     cfg = RunConfig.from_dict({"codec": {"name": args.codec}, "network": dict(BENCH_NETWORK)})
@@ -132,6 +133,7 @@ def worker(args: argparse.Namespace) -> None:
                 "sent": result.stats.wire_bytes,
                 "received": result.stats.received_wire_bytes,
                 "peers": len(result.included),
+                "part_bytes": daemon.status.last_round.part_bytes or PART_BYTES,  # the leader's pick (revision 5)
             }
         )
         daemon.publish(StateSnapshot(step + 1, {}))
@@ -247,6 +249,7 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
         "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
         "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
     }  # fmt: skip
+    row["part_kib"] = statistics.median(r[k].get("part_bytes", 0) for r in results for k in rounds) / 1024
     if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
         row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
     # for --trace: every measured round's [start, end] and every one-connection raw run's
@@ -255,7 +258,8 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
     print(
         f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
         f"{row['round_vs_raw']:>9.3f} {row['reduce_vs_raw']:>10.3f} {row['round_vs_rate']:>9.3f} "
-        f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f}",
+        f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f} "
+        f"{row['part_kib']:>5.0f}",
         flush=True,
     )
     if args.raw_pairs:
@@ -325,14 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
           f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8} {'drops/r':>7} "
-          f"{'drops/t':>7}")  # fmt: skip
+          f"{'drops/t':>7} {'part':>5}")  # fmt: skip
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
         for rate in (float(x) for x in args.rates.split(",")):
             rows += measure(n, rate, args)
     print("round/raw: raw-TCP seconds over round seconds (goodput as a fraction of raw TCP's); lim: the uplink's")
     print("time for the bytes at the shaped rate (TCP/IP headers alone cap raw/lim at ~0.956); drops: tbf drops on all")
-    print("uplinks per round (r) and per raw-TCP run (t)")
+    print("uplinks per round (r) and per raw-TCP run (t); part: the rounds' part size in KiB (the leader's pick)")
     if args.json:
         print(json.dumps(rows))
     return 0
