@@ -86,3 +86,9 @@ class AloneTracker:
     @property
     def status(self) -> str:
         return f"{self.alone_wall} (last seen: {self.last_seen} peers)" if self.alone_since is not None else ""
+
+    def run_shrank_to_us(self, included: int) -> bool:
+        """A round of one while we have been alone since a round that expected others: our table may have forgotten
+        them since (a split longer than network.forget_after, or peers that finished the run while we caught up),
+        but the run did not shrink to one, so such a round is partial however few peers the table still holds."""
+        return included <= 1 and self.alone_since is not None and self.last_seen > 1

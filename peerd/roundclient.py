@@ -412,6 +412,7 @@ class RoundClient:
             sorted(set(group.expected) | set(self.d.membership.expected())) if run_level else list(group.expected)
         )
         partial = result.partial or len(set(result.included)) < len(expected)
+        partial = partial or (run_level and self.d.alone.run_shrank_to_us(len(set(result.included))))
         solo = len(set(result.included)) <= 1
         solo_step = run_level and solo  # NoLoCo keeps its old accounting: a lost partner is a partial step
         summary = pb.RoundSummary(

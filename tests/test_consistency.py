@@ -81,6 +81,22 @@ def test_alone_is_said_once_per_change() -> None:
     assert t.status == ""
 
 
+def test_a_round_of_one_stays_partial_after_the_table_forgot_the_others() -> None:
+    """Seen in CI (a 2+2 split, streaming): a peer alone for longer than forget_after recorded a round of one that
+    expected only itself, shown as complete. The run did not shrink to one: once alone after rounds that expected
+    others, every round of one is partial."""
+    t = AloneTracker()
+    assert not t.run_shrank_to_us(1)  # a run of one peer: its rounds of one are whole
+    t.update(1, 1)
+    assert not t.run_shrank_to_us(1)
+    t = AloneTracker()
+    t.update(1, 4)  # alone, last seen with 4 expected
+    assert t.run_shrank_to_us(1)
+    assert not t.run_shrank_to_us(2)
+    t.update(2, 4)  # back with company
+    assert not t.run_shrank_to_us(1)
+
+
 def test_redial_backs_off_and_heals() -> None:
     dead = [pb.PeerInfo(peer_id="d" * 32, address="10.9.9.9:1")]
     calls: list[str] = []
