@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from peerd.config import RunConfig
+from peerd.config import SPARSE_RECIPE, RunConfig
 from peerd.demo import _parse_value, global_params, max_param_diff, stop_processes, to_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,11 +83,13 @@ class RunSpec:
             "data": {"batch_size": self.batch_size, "eval_batches": 2},
             # Every algorithm anneals the inner lr over the same budget, as a real run of this length would.
             "inner": {"steps": self.H, "warmup_steps": min(20, self.inner_steps // 4), "total_steps": self.inner_steps},
-            # The sparse codec is only sound with error feedback (the config refuses it without).
-            "codec": {"name": self.codec, **({"error_feedback": True} if self.codec == "sparse" else {})},
+            "codec": {"name": self.codec},
             "network": dict(NETWORK),
             "checkpoint": {"every": 0},
         }
+        if self.codec == "sparse":  # only sound with error feedback: peerd demo's recipe (--set overrides it)
+            for section, keys in SPARSE_RECIPE.items():
+                raw.setdefault(section, {}).update(keys)
         if hasattr(RunConfig(), "robust"):
             # The norm screen (peerd/robust.py) compares shards of one vector with each other; the shards of a
             # gradient differ in scale by layer, so it refuses honest ddp rounds. Off for every algorithm here,

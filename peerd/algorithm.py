@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from peerd.codecs import ErrorFeedback
+
 if TYPE_CHECKING:
-    from peerd.config import RunConfig
+    from peerd.config import CodecSection, RunConfig
     from peerd.statesync import StateSnapshot
     from peerd.swarm import Swarm
     from trainer.flat import ParamLayout
@@ -124,3 +126,11 @@ class OuterAlgorithm(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release background resources (threads, in-flight exchanges)."""
+
+
+def feedback_for(codec: CodecSection) -> ErrorFeedback | None:
+    """The error feedback the run's codec section asks for (codec.error_feedback, .feedback_decay, .feedback_against),
+    or None without it. DiLoCo and Streaming DiLoCo keep one per peer; NoLoCo and ddp have none."""
+    if not codec.error_feedback:
+        return None
+    return ErrorFeedback(decay=codec.feedback_decay, against=codec.feedback_against)

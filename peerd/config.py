@@ -24,9 +24,17 @@ else:  # pragma: no cover
 
 # The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
 # different revisions never meet in one run; the Join refusal names the field "protocol".
-PROTOCOL = 5
+PROTOCOL = 6
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
+FEEDBACK_AGAINST = ("contribution", "average")  # peerd.codecs.feedback.FEEDBACK_AGAINST
+# What `--codec sparse` (peerd demo, bench.convergence) adds: error feedback as a decaying accumulator measured against
+# the applied average, which stands in for outer momentum (SparseLoCo), so the outer step is plain SGD. The outer lr
+# is the best of 3-6 on the tiny model (README, Sparse codec): tune it on yours.
+SPARSE_RECIPE: dict[str, dict[str, Any]] = {
+    "codec": {"error_feedback": True, "feedback_decay": 0.8, "feedback_against": "average"},
+    "outer": {"momentum": 0.0, "lr": 6.0},
+}
 SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
 SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positions fit 16-bit indices
 
@@ -122,7 +130,11 @@ class CodecSection:
     zstd_level: int = 1
     block_size: int = 256
     error_feedback: bool = False
-    density: float = 0.02  # "sparse" only: share of each block's values sent (top-k, k = ceil(density * block_size))
+    # With error feedback: how much of the last residual the next round adds back (< 1: a decaying accumulator that
+    # stands in for outer momentum), and what the residual is measured against (peerd/codecs/feedback.py).
+    feedback_decay: float = 1.0
+    feedback_against: str = "contribution"  # or "average": the average the swarm applied
+    density: float = 0.04  # "sparse" only: share of each block's values sent (top-k, k = ceil(density * block_size))
     bits: int = 2  # "sparse" only: bits per kept value (sign + magnitude level)
 
 
@@ -314,6 +326,14 @@ class RunConfig:
             raise ConfigError(f"codec.name must be one of {CODECS}, not {codec.name!r}")
         if not (0.0 < codec.density <= 1.0):
             raise ConfigError(f"codec.density must be in (0, 1], got {codec.density!r}")
+        if not (0.0 < codec.feedback_decay <= 1.0):
+            raise ConfigError(f"codec.feedback_decay must be in (0, 1], got {codec.feedback_decay!r}")
+        if codec.feedback_against not in FEEDBACK_AGAINST:
+            against = codec.feedback_against
+            raise ConfigError(f"codec.feedback_against must be one of {FEEDBACK_AGAINST}, not {against!r}")
+        tuned = codec.feedback_decay != default.feedback_decay or codec.feedback_against != default.feedback_against
+        if tuned and not codec.error_feedback:
+            raise ConfigError("codec.feedback_decay and codec.feedback_against need codec.error_feedback = true")
         if codec.bits not in SPARSE_BITS:
             raise ConfigError(f"codec.bits must be one of {SPARSE_BITS}, got {codec.bits!r}")
         if codec.name != "sparse":
@@ -371,6 +391,8 @@ class RunConfig:
             ("model", "config", ""),
             ("data", "tokenizer", ""),
             ("inner", "rewarm_steps", "auto"),
+            ("codec", "feedback_decay", 1.0),
+            ("codec", "feedback_against", "contribution"),
         ):  # new keys at their defaults stay out, so existing runs keep their run ids
             if spec[section][key] == default:
                 del spec[section][key]
@@ -493,7 +515,9 @@ name = "fp32"             # fp32 | bf16 | int8 | fp8 | e3m0 | int4 | sparse (DiL
 zstd_level = 1            # 0 switches zstd off; otherwise each frame drops it when it does not pay
 block_size = 256
 error_feedback = false    # carry what the codec dropped into the next round (DiLoCo)
-density = 0.02            # sparse only: top ceil(density * block_size) values of each block are sent
+feedback_decay = 1.0      # share of the residual carried (< 1 with sparse: stands in for outer momentum)
+feedback_against = "contribution"  # or "average": the residual is what the applied average lacks
+density = 0.04            # sparse only: top ceil(density * block_size) values of each block are sent
 bits = 2                  # sparse only: 2 | 4 | 8 bits per sent value
 
 [admission]

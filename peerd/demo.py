@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from peerd.config import RunConfig
+from peerd.config import SPARSE_RECIPE, RunConfig
 from trainer.checkpoint import load_checkpoint
 
 DEMO_NETWORK = {
@@ -40,8 +40,9 @@ def demo_config(args: argparse.Namespace) -> dict[str, Any]:
         "codec": {"name": args.codec},
         "network": dict(DEMO_NETWORK),
     }
-    if args.codec == "sparse":  # the sparse codec is only sound with error feedback (the config refuses it without)
-        raw["codec"]["error_feedback"] = True
+    if args.codec == "sparse":  # only sound with error feedback (the config refuses it without): the measured recipe
+        for section, keys in SPARSE_RECIPE.items():
+            raw.setdefault(section, {}).update(keys)
     for item in args.set:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")

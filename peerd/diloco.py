@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
+from peerd.algorithm import OuterAlgorithm, StepDone, Trainer, feedback_for
 from peerd.allreduce import RoundFailed
-from peerd.codecs import ErrorFeedback
 from peerd.rendezvous import Behind
 from trainer.outer import NesterovOuter
 
@@ -39,7 +38,7 @@ class DiLoCo(OuterAlgorithm):
         self.outer = NesterovOuter(cfg.outer.lr, cfg.outer.momentum)
         self.global_params = trainer.layout.flatten(trainer.model).detach().float().cpu().clone()
         # Error feedback: what quantization dropped from our contribution this round is added to the next one.
-        self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
+        self.feedback = feedback_for(cfg.codec)
         self.steps_pending = 0  # inner steps behind our pending pseudo-gradient (since our last applied round)
         self.window_start = time.monotonic()
         # What the uneven-peer rules did, for status and benchmarks: work carried into a later round, work dropped.
@@ -97,8 +96,8 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
             return None
         trainer.add_idle(time.perf_counter() - t0)
-        if self.feedback is not None and result.sent_decoded is not None:
-            self.feedback.update("params", pseudo, result.sent_decoded)
+        if self.feedback is not None:
+            self.feedback.settle("params", pseudo, result.sent_decoded, result.average)
         self.outer.step(self.global_params, result.average)
         trainer.layout.unflatten_into(self.global_params, trainer.model)
         self.work += len(set(result.included))

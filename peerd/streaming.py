@@ -58,9 +58,8 @@ import torch
 from torch import Tensor, nn
 
 from peerd import faults
-from peerd.algorithm import OuterAlgorithm, StepDone, StepTimer, Trainer
+from peerd.algorithm import OuterAlgorithm, StepDone, StepTimer, Trainer, feedback_for
 from peerd.allreduce import RoundFailed
-from peerd.codecs import ErrorFeedback
 from peerd.fragment_sync import (
     Exchange,
     FragmentState,
@@ -117,7 +116,7 @@ class StreamingDiLoCo(OuterAlgorithm):
         self.last_result: Any = None  # the newest round applied, reported with the cycle's outer step
         # Error feedback per fragment (codec.error_feedback; the sparse codec needs it): what the codec dropped from a
         # fragment's contribution is added to that fragment's next one.
-        self.feedback = ErrorFeedback() if cfg.codec.error_feedback else None
+        self.feedback = feedback_for(cfg.codec)
         self.pending: dict[int, Exchange] = {}
         self.s = 0  # inner steps completed, in the swarm's timeline (virtual ticks with inner.window_s)
         # inner.window_s: the schedule runs on a wall clock, H ticks per window, so a slow peer's fragments sync when
@@ -317,8 +316,8 @@ class StreamingDiLoCo(OuterAlgorithm):
             log.warning("fragment %d round %d returned an unusable average: %s", p, rec.step, exc)
             return
         st = result.stats
-        if self.feedback is not None and result.sent_decoded is not None and ex.sent is not None:
-            self.feedback.update(f"fragment{p}", ex.sent, result.sent_decoded)
+        if self.feedback is not None and ex.sent is not None:
+            self.feedback.settle(f"fragment{p}", ex.sent, result.sent_decoded, result.average)
         self._retune(rec)
         self.work += len(set(result.included))
         rec.outcome = "applied"

@@ -7,28 +7,34 @@ from pathlib import Path
 
 import pytest
 
+from peerd.config import SPARSE_RECIPE
 from tests.swarm import Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = pytest.mark.slow
 
 
+RECIPE = {f"{section}__{key}": value for section, keys in SPARSE_RECIPE.items() for key, value in keys.items()}
+
+
 @pytest.mark.parametrize(
-    ("codec", "algorithm", "fewer"),
+    ("codec", "algorithm", "fewer", "extra"),
     [
-        ("e3m0", "diloco", 5),  # 4-bit frames: well under a fifth of the fp32 bytes, headers and scales included
+        ("e3m0", "diloco", 5, {}),  # 4-bit frames: well under a fifth of the fp32 bytes, headers and scales included
         # sparse frames: far under a twentieth, headers, scales and indices included (the tiny model's shards are a
         # few blocks each, so fixed per-frame costs weigh more than on a real model)
-        ("sparse", "diloco", 20),
-        ("sparse", "streaming", 20),
+        ("sparse", "diloco", 20, {}),
+        # the sparse recipe (peerd demo --codec sparse): decaying feedback against the applied average, plain outer SGD
+        ("sparse", "diloco", 20, RECIPE),
+        ("sparse", "streaming", 20, RECIPE),
     ],
+    ids=["e3m0-diloco", "sparse-diloco", "sparse-diloco-recipe", "sparse-streaming-recipe"],
 )
 def test_three_peers_with_a_lossy_codec_and_error_feedback_agree(
-    tmp_path: Path, codec: str, algorithm: str, fewer: int
+    tmp_path: Path, codec: str, algorithm: str, fewer: int, extra: dict[str, object]
 ) -> None:
-    cfg = tiny_config(
-        tmp_path, run__outer_steps=4, run__algorithm=algorithm, codec__name=codec, codec__error_feedback=True
-    )
+    keys = {"run__outer_steps": 4, "run__algorithm": algorithm, "codec__name": codec, "codec__error_feedback": True}
+    cfg = tiny_config(tmp_path, **{**keys, **extra})
     with Swarm(tmp_path, 3, cfg) as swarm:
         swarm.wait_exit(180)
     assert_identical_globals([p.data_dir for p in swarm.peers])

@@ -3,6 +3,16 @@
 With a lossy codec C, sending ``C(x_t)`` every round loses ``x_t - C(x_t)`` for good. Error feedback sends
 ``C(x_t + e_t)`` and keeps ``e_{t+1} = x_t + e_t - C(x_t + e_t)``, so the sum of what was sent tracks the sum
 of the inputs to within one round's error (the residual stays bounded instead of the drift growing).
+
+Two variants, for sparse codecs that drop most of every update (SparseLoCo, arXiv 2508.15706):
+
+- ``decay`` < 1 compensates with ``decay * e_t``: the residual becomes a decaying accumulator of past updates, which
+  stands in for outer momentum (run the outer optimizer without it), and old dropped mass fades instead of coming
+  back stale many rounds later.
+- ``against = "average"`` keeps ``x_t + e_t - a_t``, where ``a_t`` is the average the swarm applied, instead of what
+  our own contribution decoded to. The mean of the members' residuals is then exactly what the whole round dropped,
+  including what a shard owner's re-encoding of the average dropped on the way back, which classic error feedback
+  loses for good.
 """
 
 from __future__ import annotations
@@ -12,11 +22,19 @@ from torch import Tensor
 
 from peerd.codecs.base import Codec
 
+FEEDBACK_AGAINST = ("contribution", "average")
+
 
 class ErrorFeedback:
     """Residuals keyed by fragment name. Not thread-safe: use one instance per trainer/round driver."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0, against: str = "contribution") -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in (0, 1], got {decay!r}")
+        if against not in FEEDBACK_AGAINST:
+            raise ValueError(f"error feedback is kept against one of {FEEDBACK_AGAINST}, not {against!r}")
+        self.decay = float(decay)
+        self.against = against
         self._residual: dict[str, Tensor] = {}
 
     def __len__(self) -> int:
@@ -26,7 +44,7 @@ class ErrorFeedback:
         return key in self._residual
 
     def compensate(self, key: str, x: Tensor) -> Tensor:
-        """``x + residual[key]`` as a new tensor; ``x`` itself when there is no residual yet (it is zero)."""
+        """``x + decay * residual[key]`` as a new tensor; ``x`` itself when there is no residual yet (it is zero)."""
         residual = self._residual.get(key)
         if residual is None:
             return x
@@ -35,7 +53,8 @@ class ErrorFeedback:
                 f"error-feedback residual for {key!r} is {residual.dtype}{tuple(residual.shape)}, "
                 f"input is {x.dtype}{tuple(x.shape)}; call reset() when a fragment changes shape"
             )
-        return x + residual.to(x.device, non_blocking=True)
+        residual = residual.to(x.device, non_blocking=True)
+        return x + (residual if self.decay == 1.0 else self.decay * residual)
 
     def update(self, key: str, compensated: Tensor, decoded: Tensor) -> None:
         """Keep ``compensated - decoded`` (what the codec dropped) for the next ``compensate`` of ``key``."""
@@ -46,6 +65,14 @@ class ErrorFeedback:
         if not bool(torch.isfinite(residual).all()):
             raise ValueError(f"error-feedback residual for {key!r} is not finite")
         self._residual[key] = residual
+
+    def settle(self, key: str, compensated: Tensor, sent_decoded: Tensor | None, average: Tensor) -> None:
+        """After a round: keep what was not delivered, measured against our decoded contribution or against the
+        applied average (``against``). Without a decoded contribution (a lossless round) the residual is zero."""
+        if self.against == "average":
+            self.update(key, compensated, average)
+        elif sent_decoded is not None:
+            self.update(key, compensated, sent_decoded)
 
     def encode(self, codec: Codec, key: str, x: Tensor) -> bytes:
         """Compensate, encode, decode locally and update: the frame to send for fragment ``key``."""
