@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.convergence import NETWORK, _peer_cmd, _wait_file, evaluate
-from peerd.config import RunConfig
+from peerd.config import RunConfig, sparse_recipe
 from peerd.demo import global_params, stop_processes, to_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +84,12 @@ def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "checkpoint": {"every": 1},
     }
     if args.algorithm == "streaming":
-        raw["streaming"] = {"fragments": 2}
+        raw["streaming"] = {"fragments": args.fragments}
+    if args.codec != "fp32":
+        raw["codec"] = {"name": args.codec}
+    if args.codec == "sparse":  # peerd demo's recipe for it
+        for section, keys in sparse_recipe(args.algorithm).items():
+            raw.setdefault(section, {}).update(keys)
     RunConfig.from_dict(raw)
     return raw
 
@@ -219,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--link-mbit", type=float, default=20.0, help="the fast links' rate; the slow one gets a tenth")
     ap.add_argument("--algorithm", default="diloco", choices=["diloco", "streaming"], help="for every scenario")
+    ap.add_argument("--codec", default="fp32", help="codec.name for every scenario (sparse: with its recipe)")
+    ap.add_argument("--fragments", type=int, default=2, help="streaming.fragments with --algorithm streaming")
     ap.add_argument("--straggle-frac", type=float, default=0.4, help="the straggler's inner step / the window")
     ap.add_argument("--only", type=lambda v: set(v.split(",")), default=set(), help="run only these scenarios")
     ap.add_argument("--json", action="store_true")

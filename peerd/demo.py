@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from peerd.config import SPARSE_RECIPE, RunConfig
+from peerd.config import RunConfig, sparse_recipe
 from trainer.checkpoint import load_checkpoint
 
 DEMO_NETWORK = {
@@ -41,7 +41,7 @@ def demo_config(args: argparse.Namespace) -> dict[str, Any]:
         "network": dict(DEMO_NETWORK),
     }
     if args.codec == "sparse":  # only sound with error feedback (the config refuses it without): the measured recipe
-        for section, keys in SPARSE_RECIPE.items():
+        for section, keys in sparse_recipe(args.algorithm).items():
             raw.setdefault(section, {}).update(keys)
     for item in args.set:
         key, _, value = item.partition("=")

@@ -22,7 +22,7 @@ from peerd.codecs import (
     parse_header,
 )
 from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, MAX_SPARSE_BLOCK, SparseCodec
-from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig
+from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig, sparse_recipe
 from tests.test_codec_corruption import reseal, with_fields
 
 N = 1000
@@ -200,6 +200,11 @@ def test_error_feedback_parameters_are_checked() -> None:
     assert "feedback_decay" not in RunConfig.from_dict({"codec": ok}).spec()["codec"]
     tuned = RunConfig.from_dict({"codec": {**ok, "feedback_decay": 0.8, "feedback_against": "average"}}).spec()
     assert tuned["codec"]["feedback_decay"] == 0.8 and tuned["codec"]["feedback_against"] == "average"
+    # `--codec sparse` adds the SparseLoCo recipe for DiLoCo only: Streaming diverged under its outer lr.
+    assert sparse_recipe("diloco")["outer"] == {"momentum": 0.0, "lr": 6.0}
+    assert sparse_recipe("streaming") == {"codec": {"error_feedback": True}}
+    for algorithm in ("diloco", "streaming"):
+        RunConfig.from_dict({"run": {"algorithm": algorithm}, "codec": {"name": "sparse"}, **sparse_recipe(algorithm)})
 
 
 # -- wire size ----------------------------------------------------------------------------------------------------
