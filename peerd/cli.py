@@ -102,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-steps", type=int, default=5)
     p.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per outer step")
     p.add_argument("--algorithm", default="diloco", choices=["diloco", "streaming", "noloco"])
-    p.add_argument(
-        "--codec", default="fp32", help="fp32 | bf16 | int8 | fp8 | e3m0 | int4 | sparse (diloco, error feedback on)"
-    )
+    p.add_argument("--codec", default="fp32", help="fp32 | bf16 | int8 | fp8 | e3m0 | int4 | sparse (with its recipe)")
     p.add_argument("--preset", default="tiny", help="model preset")
     p.add_argument("--json", action="store_true", help="make the last line of output a JSON summary")
     p.add_argument("--workdir", help="keep peers' data here (default: a temporary directory, removed at the end)")

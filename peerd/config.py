@@ -28,22 +28,26 @@ PROTOCOL = 6
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 FEEDBACK_AGAINST = ("contribution", "average")  # peerd.codecs.feedback.FEEDBACK_AGAINST
-# What `--codec sparse` (peerd demo, bench.convergence) adds for DiLoCo: error feedback as a decaying accumulator
+# What `--codec sparse` (peerd demo, bench.convergence, bench.uneven) adds: error feedback as a decaying accumulator
 # measured against the applied average, which stands in for outer momentum (SparseLoCo), so the outer step is plain
-# SGD. The outer lr is the best of 3-8 on the tiny model (README, Sparse codec): tune it on yours. Streaming DiLoCo
-# diverged with it (its merge leaves (1 - alpha) of each fragment's gap in the next pseudo-gradient, which an outer lr
-# of 6 amplifies), so it keeps classic error feedback and its default outer optimizer.
+# SGD. The outer lr is the best measured on the tiny model (README, Sparse codec): tune it on yours. Streaming DiLoCo
+# diverged at lr 3 with its default merge (alpha 0.5 leaves half of each fragment's gap to the new global in the next
+# pseudo-gradient, which a large outer lr amplifies), so its recipe merges fully (alpha 0) and measured best at lr 8.
 SPARSE_RECIPE: dict[str, dict[str, Any]] = {
     "codec": {"error_feedback": True, "feedback_decay": 0.8, "feedback_against": "average"},
     "outer": {"momentum": 0.0, "lr": 6.0},
+}
+SPARSE_STREAMING_RECIPE: dict[str, dict[str, Any]] = {
+    "codec": dict(SPARSE_RECIPE["codec"]),
+    "outer": {"momentum": 0.0, "lr": 8.0},
+    "streaming": {"alpha": 0.0},
 }
 
 
 def sparse_recipe(algorithm: str) -> dict[str, dict[str, Any]]:
     """The config keys `--codec sparse` adds for `algorithm` (a fresh copy: callers update it)."""
-    if algorithm == "diloco":
-        return {section: dict(keys) for section, keys in SPARSE_RECIPE.items()}
-    return {"codec": {"error_feedback": True}}
+    recipe = SPARSE_STREAMING_RECIPE if algorithm == "streaming" else SPARSE_RECIPE
+    return {section: dict(keys) for section, keys in recipe.items()}
 
 
 SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)

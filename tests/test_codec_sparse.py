@@ -200,9 +200,11 @@ def test_error_feedback_parameters_are_checked() -> None:
     assert "feedback_decay" not in RunConfig.from_dict({"codec": ok}).spec()["codec"]
     tuned = RunConfig.from_dict({"codec": {**ok, "feedback_decay": 0.8, "feedback_against": "average"}}).spec()
     assert tuned["codec"]["feedback_decay"] == 0.8 and tuned["codec"]["feedback_against"] == "average"
-    # `--codec sparse` adds the SparseLoCo recipe for DiLoCo only: Streaming diverged under its outer lr.
-    assert sparse_recipe("diloco")["outer"] == {"momentum": 0.0, "lr": 6.0}
-    assert sparse_recipe("streaming") == {"codec": {"error_feedback": True}}
+    # `--codec sparse` adds the SparseLoCo recipe; Streaming's merges fully (it diverged with alpha 0.5 at lr 3).
+    diloco = sparse_recipe("diloco")
+    assert diloco["outer"] == {"momentum": 0.0, "lr": 6.0} and "streaming" not in diloco
+    assert sparse_recipe("streaming")["streaming"] == {"alpha": 0.0}
+    assert sparse_recipe("streaming")["codec"] == sparse_recipe("diloco")["codec"]
     for algorithm in ("diloco", "streaming"):
         RunConfig.from_dict({"run": {"algorithm": algorithm}, "codec": {"name": "sparse"}, **sparse_recipe(algorithm)})
 

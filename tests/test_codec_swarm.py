@@ -14,7 +14,8 @@ from tests.test_swarm_diloco import assert_identical_globals
 pytestmark = pytest.mark.slow
 
 
-RECIPE = {f"{section}__{key}": v for section, keys in sparse_recipe("diloco").items() for key, v in keys.items()}
+def recipe(algorithm: str) -> dict[str, object]:
+    return {f"{section}__{key}": v for section, keys in sparse_recipe(algorithm).items() for key, v in keys.items()}
 
 
 @pytest.mark.parametrize(
@@ -25,10 +26,10 @@ RECIPE = {f"{section}__{key}": v for section, keys in sparse_recipe("diloco").it
         # few blocks each, so fixed per-frame costs weigh more than on a real model)
         ("sparse", "diloco", 20, {}),
         # the sparse recipe (peerd demo --codec sparse): decaying feedback against the applied average, plain outer SGD
-        ("sparse", "diloco", 20, RECIPE),
-        ("sparse", "streaming", 20, {}),  # Streaming keeps classic feedback (peerd/config.py sparse_recipe)
+        ("sparse", "diloco", 20, recipe("diloco")),
+        ("sparse", "streaming", 20, recipe("streaming")),
     ],
-    ids=["e3m0-diloco", "sparse-diloco", "sparse-diloco-recipe", "sparse-streaming"],
+    ids=["e3m0-diloco", "sparse-diloco", "sparse-diloco-recipe", "sparse-streaming-recipe"],
 )
 def test_three_peers_with_a_lossy_codec_and_error_feedback_agree(
     tmp_path: Path, codec: str, algorithm: str, fewer: int, extra: dict[str, object]
