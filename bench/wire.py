@@ -112,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
     from peerd.layout import PART_BYTES
     from peerd.statesync import StateSnapshot
 
-    cfg = RunConfig.from_dict({"codec": {"name": args.codec}, "network": dict(BENCH_NETWORK)})
+    codec = {"name": args.codec, **({"error_feedback": True} if args.codec == "sparse" else {})}  # config needs it
+    cfg = RunConfig.from_dict({"codec": codec, "network": dict(BENCH_NETWORK)})
     data = Path(args.out).parent / f"peer{args.index}"
     daemon = Daemon(
         cfg, Identity.generate(), listen=args.listen, bootstrap=args.bootstrap, data_dir=data, insecure=args.plaintext
