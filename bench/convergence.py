@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from peerd.config import RunConfig, sparse_recipe
+from peerd.config import RunConfig, apply_codec_recipe
 from peerd.demo import _parse_value, global_params, max_param_diff, stop_processes, to_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,9 +87,7 @@ class RunSpec:
             "network": dict(NETWORK),
             "checkpoint": {"every": 0},
         }
-        if self.codec == "sparse":  # only sound with error feedback: peerd demo's recipe (--set overrides it)
-            for section, keys in sparse_recipe(self.algorithm).items():
-                raw.setdefault(section, {}).update(keys)
+        apply_codec_recipe(raw, self.algorithm)  # sparse: peerd demo's recipe (--set overrides it)
         if hasattr(RunConfig(), "robust"):
             # The norm screen (peerd/robust.py) compares shards of one vector with each other; the shards of a
             # gradient differ in scale by layer, so it refuses honest ddp rounds. Off for every algorithm here,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.convergence import NETWORK, _peer_cmd, _wait_file, evaluate
-from peerd.config import RunConfig, sparse_recipe
+from peerd.config import RunConfig, apply_codec_recipe
 from peerd.demo import global_params, stop_processes, to_toml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,9 +87,7 @@ def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         raw["streaming"] = {"fragments": args.fragments}
     if args.codec != "fp32":
         raw["codec"] = {"name": args.codec}
-    if args.codec == "sparse":  # peerd demo's recipe for it
-        for section, keys in sparse_recipe(args.algorithm).items():
-            raw.setdefault(section, {}).update(keys)
+    apply_codec_recipe(raw, args.algorithm)  # sparse: peerd demo's recipe
     RunConfig.from_dict(raw)
     return raw
 

@@ -28,6 +28,9 @@ PROTOCOL = 6
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 FEEDBACK_AGAINST = ("contribution", "average")  # peerd.codecs.feedback.FEEDBACK_AGAINST
+SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
+SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positions fit 16-bit indices
+
 # What `--codec sparse` (peerd demo, bench.convergence, bench.uneven) adds: error feedback as a decaying accumulator
 # measured against the applied average, which stands in for outer momentum (SparseLoCo), so the outer step is plain
 # SGD. The outer lr is the best measured on the tiny model (README, Sparse codec): tune it on yours. Streaming DiLoCo
@@ -50,8 +53,13 @@ def sparse_recipe(algorithm: str) -> dict[str, dict[str, Any]]:
     return {section: dict(keys) for section, keys in recipe.items()}
 
 
-SPARSE_BITS = (2, 4, 8)  # peerd.codecs.sparse.BITS_CHOICES (this module stays free of torch)
-SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positions fit 16-bit indices
+def apply_codec_recipe(raw: dict[str, Any], algorithm: str) -> None:
+    """What `--codec sparse` means in peerd demo and the benches: add its recipe's keys to the raw config sections
+    when `raw` names the sparse codec (before `--set` overrides, which the callers apply after). Other codecs: none."""
+    if raw.get("codec", {}).get("name") != "sparse":
+        return
+    for section, keys in sparse_recipe(algorithm).items():
+        raw.setdefault(section, {}).update(keys)
 
 
 class ConfigError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from peerd.config import RunConfig, sparse_recipe
+from peerd.config import RunConfig, apply_codec_recipe
 from trainer.checkpoint import load_checkpoint
 
 DEMO_NETWORK = {
@@ -40,9 +40,7 @@ def demo_config(args: argparse.Namespace) -> dict[str, Any]:
         "codec": {"name": args.codec},
         "network": dict(DEMO_NETWORK),
     }
-    if args.codec == "sparse":  # only sound with error feedback (the config refuses it without): the measured recipe
-        for section, keys in sparse_recipe(args.algorithm).items():
-            raw.setdefault(section, {}).update(keys)
+    apply_codec_recipe(raw, args.algorithm)  # sparse: error feedback (the config refuses it without) and its recipe
     for item in args.set:
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")

@@ -21,7 +21,9 @@ from peerd.codecs import (
     make_codec,
     parse_header,
 )
+from peerd.codecs.feedback import FEEDBACK_AGAINST
 from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, MAX_SPARSE_BLOCK, SparseCodec
+from peerd.config import FEEDBACK_AGAINST as CONFIG_FEEDBACK_AGAINST
 from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig, sparse_recipe
 from tests.test_codec_corruption import reseal, with_fields
 
@@ -326,6 +328,7 @@ def test_parameters_are_validated() -> None:
 def test_config_keys_and_their_refusals() -> None:
     assert (CodecSection().density, CodecSection().bits) == (DEFAULT_DENSITY, DEFAULT_BITS)
     assert SPARSE_BITS == BITS_CHOICES and SPARSE_MAX_BLOCK == MAX_SPARSE_BLOCK
+    assert CONFIG_FEEDBACK_AGAINST == FEEDBACK_AGAINST  # config.py stays free of torch, so it keeps its own copy
     ok = {"name": "sparse", "error_feedback": True}
     cfg = RunConfig.from_dict({"codec": {**ok, "density": 0.01, "bits": 4}})
     assert cfg.spec()["codec"]["density"] == 0.01 and cfg.spec()["codec"]["bits"] == 4
