@@ -6,8 +6,9 @@ is the swarm's own cost as N grows (issue 15).
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
   share of those rounds that included every peer the run expected (a kill makes the rounds around it partial);
-- failed: round attempts that failed and were retried (RoundFailed), at the bootstrap peer (never killed), and the
-  share of attempts that completed: rounds / (rounds + failed);
+- failed: round attempts that failed and were retried (RoundFailed), and outer steps given up on, at the bootstrap
+  peer (never killed), and the share of attempts that completed: rounds / (rounds + failed); survived: rounds that
+  lost a member mid-round and completed without it (allreduce.py);
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
 - round B/peer: reduce-scatter and all-gather bytes each peer sends per completed round;
 - detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
@@ -38,7 +39,9 @@ from typing import Any
 
 LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/(\d+) \|", re.M)
 LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) lost: ")
-FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ \(attempt \d+\) failed")
+# a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
+FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: (?:round for step \d+ \(attempt \d+\)|outer step \d+) failed")
+SURVIVED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ survived the loss of")
 PEER_TIMEOUT = 15.0  # 64 daemons share 2 cores here: a starved event loop must not read as a dead peer
 
 
@@ -145,6 +148,7 @@ def _report(
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
     # failed attempts seen by the bootstrap peer (never killed, a member of every round it completes)
     failed = sum(1 for line in logs[0].splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1)
+    survived = sum(1 for line in logs[0].splitlines() if (f := SURVIVED.match(line)) and t0 <= _ts(f[1]) <= t1)
     per_peer = [_diff(after[i], before[i]) for i in after if i in before]
     gossip_b = [d.get("peerd_sent_bytes_total:gossip", 0.0) / window for d in per_peer]
     gossip_m = [d.get("peerd_sent_messages_total:gossip", 0.0) / window for d in per_peer]
@@ -177,6 +181,7 @@ def _report(
         "round_s": round(statistics.median(gaps), 2) if gaps else None,
         "full_share": round(sum(1 for s in steps if s[2] == s[3]) / rounds, 3) if rounds else None,
         "failed_attempts": failed,
+        "survived_a_loss": survived,
         "complete_share": round(rounds / (rounds + failed), 3) if rounds + failed else None,
         "gossip_Bps": round(statistics.median(gossip_b)) if gossip_b else None,
         "gossip_msgps": round(statistics.median(gossip_m), 2) if gossip_m else None,
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{n:3d} peers: {row['rounds']} rounds, {row['round_s']} s/round, full {row['full_share']}, "
                 f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
+                f"survived a loss {row['survived_a_loss']}, "
                 f"gossip {row['gossip_Bps']} B/s "
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "

@@ -2,31 +2,34 @@
 
 The vector is cut into one contiguous shard per reachable member (the owners, in member order; outbound-only members,
 which nobody can dial, own none). Owner i owns shard i: every other member streams its encoded shard i to it over a
-stream the sender opens, and the owner decodes all contributions, sums them in fp32 in member order, divides by the
-group size, encodes the average once, and streams those same bytes back to every member on the same gRPC stream.
-Each peer therefore sends and receives (n-1)/n of the vector twice (with all members reachable), nothing is funnelled
-through one peer, and because every member (the owner included) decodes the *same bytes* of each averaged shard,
-all members end bit-identical.
+stream the sender opens, and the owner (shard_owner.py) decodes all contributions, sums them in fp32 in member order,
+divides, encodes the average once, and streams those same bytes back to every member on the same gRPC stream. Each
+peer therefore sends and receives (n-1)/n of the vector twice, nothing is funnelled through one peer, and because
+every member (the owner included) decodes the *same bytes* of each averaged shard, all members end bit-identical.
 
 Shards travel in parts of at most the group's part size (256 KiB; less on slow links: peerd/layout.py) of encoded data,
-cut on the codec's blocks so each part is a frame of its own that decodes to what the whole shard's frame would. The
-owner averages part k as soon as every member's part k arrived and sends it back while later parts still arrive, so the
-gather direction is busy from the first part on instead of starting cold after the whole shard (on a slow link that idle
-half-round cost ~20 % of the goodput). Screening needs whole contributions: the owner sums each one's squares part by
-part and judges them before its shard's last part leaves, so a refused contribution still fails the round before any
-member can complete it.
+cut on the codec's blocks so each part is a frame of its own. The owner averages part k as soon as every member's part
+k arrived and sends it back while later parts still arrive, so the gather direction is busy from the first part on.
 
-A round is all-or-nothing: if any contribution is missing when the deadline passes, or any stream fails, the round
-fails on every member (owners abort the streams they serve, so a failure spreads in one round trip) and the caller
-retries the step with a new group that leaves the failed peer out. A round never averages a subset silently.
+A member's death does not restart the round (with n peers that each fail with probability p, an all-or-nothing round
+succeeds with probability (1-p)^n: 0.53 at 64 peers and 1 %). The round goes on without it:
+- its contributions: every owner drops it (its stream broke, or our own exchange with it failed), and the parts not yet
+  averaged average the others; each averaged part's signed header names whom it covers (`included_mask`);
+- its shard: every member that loses it (the owner's stream fails with UNAVAILABLE, or the owner falls silent) sends
+  that shard instead to the next owner in member order that it has not seen lost (the fallback owner), which reduces it
+  over the members still in the round. A fallback refuses a shard it is not next in line for, and waits for every
+  member it has not seen lost, so members whose views differ fail the round (and retry) rather than split it.
+Every member decodes the same bytes with the same masks, so members stay bit-identical and agree on whom the round
+included (the intersection of the masks); a round that lost someone is partial, and says so. Bad data still fails the
+round on every member (owners abort the streams they serve, naming whom they blame), and the caller retries the step
+with a group that leaves the offender out. A round never averages a subset silently.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -39,81 +42,38 @@ from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
-from peerd.layout import PART_BYTES, included_mask, part_bounds, part_elems, shard_bounds
-from peerd.robust import ContributionGuard, ContributionRejected, mean_of
-from peerd.streams import StreamError, read_tensor, tensor_messages
+from peerd.layout import PART_BYTES, part_bounds, part_elems, shard_bounds
+from peerd.robust import ContributionGuard
+from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
+from peerd.roundtypes import RoundFailed as RoundFailed
+from peerd.roundtypes import RoundStats as RoundStats
+from peerd.roundtypes import part_messages, rms, sum_of_squares
+from peerd.roundtypes import relayed_suspects as relayed_suspects
+from peerd.roundtypes import suspects_metadata as suspects_metadata
+from peerd.shard_owner import RoundContext, ShardOwner
+from peerd.streams import StreamError, read_tensor
 from peerd.v1 import peerd_pb2 as pb
-from peerd.wire import codec_name, codec_to_wire, kind_to_wire
+from peerd.wire import codec_to_wire, kind_to_wire
 
 BLAME_GRACE_S = 0.5
-
-
-class RoundFailed(RuntimeError):
-    """The round could not complete. `suspects` are peers that seem to be at fault (unreachable, silent). With
-    reason "aborted" they are another member's word, not something we saw: worth skipping in the retry, not
-    worth marking unreachable."""
-
-    def __init__(self, message: str, suspects: set[str] | None = None, reason: str = "aborted") -> None:
-        super().__init__(message)
-        self.suspects = suspects or set()
-        self.reason = reason
-
-
-SUSPECTS_KEY = "peerd-suspects"
-"""Trailing metadata of an aborted Reduce stream: whom the owner blames. Without it, a member whose round an owner
-aborted retried with the offender again, while the rest of the group retried without it: two groups, one step."""
-
-
-def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
-    return ((SUSPECTS_KEY, ",".join(sorted(exc.suspects))),) if exc.suspects else ()
-
-
-def relayed_suspects(metadata: object, allowed: set[str]) -> set[str]:
-    """The suspects an aborting owner named, limited to `allowed` (the round's other members)."""
-    named: set[str] = set()
-    for key, value in metadata or ():  # type: ignore[attr-defined]
-        if key == SUSPECTS_KEY and isinstance(value, str):
-            named |= set(value[:4096].split(",")) & allowed
-    return named
-
-
-@dataclass
-class RoundStats:
-    raw_bytes: int = 0  # fp32 bytes this peer's sends would have taken uncompressed
-    wire_bytes: int = 0  # bytes it actually sent
-    received_wire_bytes: int = 0
-    seconds: float = 0.0
-    messages: int = 0  # stream messages sent (bench.scale: per-peer message rate)
+FALLBACK_GRACE_S = 2.0
+"""How long a peer asked to take over a shard waits for its own view to agree that every owner before it in line is
+lost (its own exchanges with them fail a moment after the asker's did), before it refuses."""
 
 
 @dataclass
 class RoundResult:
     average: torch.Tensor  # CPU fp32, same numel as the input
     group: pb.Group
-    included: list[str]
+    included: list[str]  # members whose contributions every averaged part covers
     stats: RoundStats = field(default_factory=RoundStats)
     sent_decoded: torch.Tensor | None = None  # what our contribution decodes to (for error feedback), if asked
+    lost: list[str] = field(default_factory=list)  # members that left mid-round (dropped, not waited for)
+    fallbacks: int = 0  # shards we took from a fallback owner because theirs was lost
 
     @property
     def partial(self) -> bool:
         return len(self.included) < len(self.group.expected)
-
-
-def sum_of_squares(t: torch.Tensor) -> float:
-    """In float64, so that summing parts' values in part order gives every member the same whole norm."""
-    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 if t.numel() else 0.0
-
-
-def _rms(parts_sumsq: list[float], numel: int) -> float:
-    return math.sqrt(sum(parts_sumsq) / numel) if numel else 0.0
-
-
-def part_messages(
-    header: pb.TensorHeader, payload: bytes | SealedFrame, identity: Identity, run_id: bytes, chunk: int, chain: bytes
-) -> tuple[list[pb.TensorMessage], bytes]:
-    """One part's signed messages and its digest (the next part's chain)."""
-    msgs = list(tensor_messages(header, payload, identity, run_id, chunk, chain))
-    return msgs, msgs[-1].trailer.digest
 
 
 def _own_evidence(exc: BaseException) -> bool:
@@ -121,11 +81,24 @@ def _own_evidence(exc: BaseException) -> bool:
     return isinstance(exc, RoundFailed) and bool(exc.suspects) and exc.reason != "aborted"
 
 
+def _mask_members(mask: bytes, n: int) -> set[int] | None:
+    """The member indices a reply's included_mask names; None if it is malformed."""
+    if len(mask) != (n + 7) // 8 or (n % 8 and mask[-1] >> (n % 8)):
+        return None
+    return {i for i in range(n) if mask[i // 8] >> (i % 8) & 1}
+
+
+class OwnerLost(RoundFailed):
+    """Our exchange with a shard's owner failed because the owner is gone (UNAVAILABLE: refused, reset): the shard
+    moves to the next in line instead of failing the round."""
+
+
 StubFor = Callable[[pb.PeerInfo], object]  # returns a RoundsStub for a member
 
 
 class ReduceRound:
-    """This peer's part in one group's reduce-scatter + all-gather, part by part."""
+    """This peer's part in one group's reduce-scatter + all-gather: its contributions to every shard (member side)
+    and the shards it owns (shard_owner.py), its own and those it took over from a lost owner."""
 
     def __init__(
         self,
@@ -142,12 +115,13 @@ class ReduceRound:
         guard: ContributionGuard | None = None,
         on_invalid: Callable[[str, str], None] | None = None,
         part_bytes: int = PART_BYTES,
+        weights: list[float] | None = None,
     ) -> None:
         """`guard` checks contributions and replies and picks the aggregation rule (peerd/robust.py); `on_invalid`
-        (peer id, reason) hears of every member whose signed data it refused. `part_bytes` bounds one part's frame."""
+        (peer id, reason) hears of every member whose signed data it refused. `part_bytes` bounds one part's frame.
+        `weights`: each member's token weight, when the group is weighted (a subset's mean is re-weighted)."""
         self.want_decoded = want_decoded
         self.guard = guard
-        self.on_invalid = on_invalid
         self.group = group
         self.identity = identity
         self.run_id = run_id
@@ -156,245 +130,128 @@ class ReduceRound:
         self.executor = executor
         self.chunk_bytes = chunk_bytes
         self.ids = [m.peer_id for m in group.members]
-        self.all_mask = included_mask(len(self.ids), range(len(self.ids)))  # every member: rounds are all-or-nothing
         self.member = self.ids.index(identity.peer_id)  # our index among the members (contributions)
         self.n = len(self.ids)
-        # Shard owners: the members others can dial. Every member opens a stream to every other owner, so an
-        # outbound-only member sends and receives everything on connections it opened itself.
-        # outbound-only members cannot be dialled, flagged ones (group.no_shards) would slow every shard they own
+        # Shard owners: the members others can dial. Outbound-only members cannot be dialled, and flagged ones
+        # (group.no_shards) would slow every shard they own.
         no_shards = set(group.no_shards)
-        self.created = time.perf_counter()
-        self.arrival_s: dict[str, float] = {}  # member -> seconds after this round began that its contribution arrived
-        self.stream_s: dict[str, tuple[float, int]] = {}  # member -> (seconds its contribution stream took, bytes)
-        self._rx: dict[str, tuple[float, int]] = {}  # member -> (when its first part arrived, bytes so far)
-        self.reply_s: dict[str, float] = {}  # owner -> seconds after this round began that its averaged shard arrived
-        self.reply_stream_s: dict[str, tuple[float, int]] = {}  # owner -> (seconds its averaged parts took, bytes)
-        self.owners = [
-            i for i, m in enumerate(group.members) if not m.outbound_only and m.peer_id not in no_shards
-        ]  # none: run() refuses
+        self.owners = [i for i, m in enumerate(group.members) if not m.outbound_only and m.peer_id not in no_shards]
         self.me = self.owners.index(self.member) if self.member in self.owners else -1  # our shard, -1: none
         self.n_shards = len(self.owners)
         self.bounds = shard_bounds(vector.numel(), self.n_shards) if self.owners else []
         size = part_elems(codec, part_bytes)
         self.parts = [part_bounds(lo, hi, size) for lo, hi in self.bounds]  # absolute [lo, hi) of every part
         self.deadline = time.monotonic() + timeout_s
-        loop = asyncio.get_running_loop()
-        # -- our shard (owner side): contributions arrive part by part, in order, from every member
-        n_parts = len(self.parts[self.me]) if self.me >= 0 else 0
-        self.contrib: list[list[torch.Tensor | None]] = [[None] * self.n for _ in range(n_parts)]
-        # Contributions decoded into fresh memory may be summed into in place; ours may be the caller's vector.
-        self.private: list[list[bool]] = [[True] * self.n for _ in range(n_parts)]
-        self.got = [0] * self.n  # parts received from each member
-        self.sumsq: list[list[float]] = [[0.0] * n_parts for _ in range(self.n)]  # per member, per part
-        self.frames: list[asyncio.Future[SealedFrame]] = [loop.create_future() for _ in range(n_parts)]
-        self.screened: asyncio.Future[None] = loop.create_future()  # every whole contribution passed the guard
-        self.reduced: asyncio.Future[None] = loop.create_future()  # every part averaged and screened
-        self._left = n_parts  # parts not averaged yet
-        self._tasks: set[asyncio.Future] = set()
-        self._sent: set[int] = set()  # shards whose every part we handed to grpc
-        # -- every shard (member side): the averaged parts' squares, for the replies' screening
+        self.stats = RoundStats()
+        self.ctx = RoundContext(
+            group, self.ids, self.member, identity, run_id, codec, executor, chunk_bytes, guard, on_invalid,
+            self._place, self.member_left, self.stats, self.deadline, weights,
+        )  # fmt: skip
+        self.created = self.ctx.created
+        self.arrival_s = self.ctx.arrival_s  # member -> seconds after this round began that its contribution arrived
+        self.stream_s = self.ctx.stream_s  # member -> (seconds its contribution stream took, bytes)
+        self.reply_s: dict[str, float] = {}  # owner -> seconds after this round began that its averaged shard arrived
+        self.reply_stream_s: dict[str, tuple[float, int]] = {}  # owner -> (seconds its averaged parts took, bytes)
+        self.owned: dict[int, ShardOwner] = {}  # shard -> our owner side: ours, and any we took over
+        if self.me >= 0:
+            self.owned[self.me] = ShardOwner(self.ctx, self.me, self.parts[self.me], set(range(self.n)))
+        self.lost: set[str] = set()  # members seen gone mid-round (refused, reset, silent): their shards move on
+        self.left: set[str] = set()  # members whose streams to us broke off (dead, or their round failed)
+        self.fallbacks = 0
+        self._failed: BaseException | None = None
+        self._attempts: dict[int, tuple[str, asyncio.Future]] = {}  # shard -> (owner asked, the exchange)
+        self._sent: set[tuple[int, str]] = set()  # (shard, owner) whose every part we handed to grpc
+        # -- every shard (member side): whom each averaged part covers, and its squares for the replies' screening
+        self.masks: list[list[set[int]]] = [[set() for _ in p] for p in self.parts]
         self.reply_sumsq: list[list[float]] = [[0.0] * len(p) for p in self.parts]
         self.average: torch.Tensor | None = None  # allocated in run(), filled part by part as averages are known
         self._decoded: torch.Tensor | None = None  # what our contribution decodes to, when asked for (lossy codecs)
         self.sent_decoded: torch.Tensor | None = None
         probe = vector[:1]
         self._poisoning = faults.poisoned(probe) is not probe  # a test-only injector is on
-        self.stats = RoundStats()
-        self._deadline_handle = loop.call_later(timeout_s, self._on_deadline)
+        self._deadline_handle = asyncio.get_running_loop().call_later(timeout_s, self._on_deadline)
 
-    # -- owner side: contributions to our shard ---------------------------------------------------------------
-    def max_wire(self, sender: str, header: pb.TensorHeader, part: int = 0) -> int:
-        """Size limit for a contribution's part, checked against the round's layout before anything is allocated."""
+    # -- owner side: the shards we reduce ---------------------------------------------------------------------
+    async def serve(
+        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str, shard: int
+    ) -> AsyncIterator[pb.TensorMessage]:
+        """Server side of one Reduce stream for `shard` (the service verified its first header as `sender`'s)."""
+        owner = await self.wait_owner(shard, sender)
+        async for msg in owner.serve(messages, verifier, sender):
+            yield msg
+
+    def owner_for(self, shard: int, sender: str) -> ShardOwner:
+        """Our owner side of `shard`: our own, or a lost owner's shard when we are next in line for it."""
+        owner = self.owned.get(shard)
+        if owner is not None:
+            return owner
         if sender not in self.ids or sender == self.identity.peer_id:
             raise StreamError("not_member", f"{sender[:8]} is not a member of this round")
-        if self.me < 0:
-            raise StreamError("wrong_shape", "this peer owns no shard in this round (it is outbound-only)")
-        lo, hi = self.parts[self.me][part]
-        if header.shard != self.me or header.part != part or header.numel != hi - lo:
-            raise StreamError(
-                "wrong_shape",
-                f"contribution for shard {header.shard} part {header.part} of {header.numel} elements does not "
-                f"match this peer's shard {self.me} part {part} of {hi - lo}",
-            )
-        if codec_name(header.codec) != self.codec.name:
-            theirs = codec_name(header.codec) or header.codec
-            raise StreamError("wrong_codec", f"contribution uses codec {theirs!r}, the run uses {self.codec.name!r}")
-        return self.codec.max_encoded_size(hi - lo)
+        if not 0 <= shard < self.n_shards:
+            raise StreamError("wrong_shape", f"contribution for shard {shard} of a round with {self.n_shards}")
+        if self._failed is not None:
+            raise RoundFailed(f"this peer's round failed: {self._failed}", set(), "aborted")
+        if self._next_in_line(shard, {self.ids[self.owners[shard]]}) != self.member:
+            raise RoundFailed(f"this peer is not next in line for shard {shard} (it has not seen the owners lost)")
+        return self._take_over(shard)
 
-    async def add_contribution(self, sender: str, part: int, payload: bytes | bytearray) -> None:
-        index = self.ids.index(sender)
-        lo, hi = self.parts[self.me][part]
-        loop = asyncio.get_running_loop()
-        now = time.perf_counter()  # C4-style timing: when its parts arrived, and how fast they came
-        start, got = self._rx.get(sender, (now, 0))
-        self._rx[sender] = (start, got + len(payload))
-        self.arrival_s[sender] = now - self.created
-        self.stream_s[sender] = (now - start, got + len(payload))
-        decoded, sumsq = await loop.run_in_executor(self.executor, self._decode_part, payload, hi - lo)
-        self.stats.received_wire_bytes += len(payload)
-        self._accept(index, part, decoded, sumsq)
-
-    def _decode_part(self, payload: bytes | bytearray, numel: int) -> tuple[torch.Tensor, float]:
-        decoded = self.codec.decode(payload, numel)
-        return decoded, sum_of_squares(decoded)
-
-    def _accept(self, index: int, part: int, decoded: torch.Tensor, sumsq: float, private: bool = True) -> None:
-        """Take one member's decoded part of our shard; the last member's part k starts averaging part k."""
-        if self.got[index] != part:
-            raise StreamError("duplicate", f"{self.ids[index][:8]} sent part {part} out of order")
-        if self.reduced.done():  # aborted: keep nothing more
-            return
-        self.got[index] = part + 1
-        self.contrib[part][index] = decoded
-        self.private[part][index] = private
-        self.sumsq[index][part] = sumsq
-        whole_first = self.guard is not None and self.guard.needs_whole
-        if not whole_first and all(c is not None for c in self.contrib[part]):
-            self._spawn(self._reduce_part(part, None))
-        if all(g == len(self.frames) for g in self.got):
-            self._screen()
-            if whole_first and self.screened.done() and not self.screened.exception():
-                norms = [math.sqrt(sum(s)) for s in self.sumsq]
-                for k in range(len(self.frames)):
-                    self._spawn(self._reduce_part(k, norms))
-
-    def _screen(self) -> None:
-        """Judge every whole contribution (its squares summed over its parts) before our shard's last part leaves:
-        a refused one aborts the round, naming its sender, though earlier parts of the average went out already
-        (members keep nothing of a failed round)."""
-        numel = self.bounds[self.me][1] - self.bounds[self.me][0]
-        if self.guard is not None:
+    async def wait_owner(self, shard: int, sender: str) -> ShardOwner:
+        """`owner_for`, giving our own view up to FALLBACK_GRACE_S to see the owners before us lost, as the asker
+        did a moment earlier."""
+        until = time.monotonic() + FALLBACK_GRACE_S
+        while True:
             try:
-                self.guard.screen_norms(self.group.fragment, self.member, [_rms(s, numel) for s in self.sumsq])
-            except ContributionRejected as exc:
-                offenders = {self.ids[i] for i in exc.offenders}
-                for pid in offenders:
-                    self._invalid(pid, "too_large")
-                names = sorted(p[:8] for p in offenders)
-                self.abort(RoundFailed(f"refused contributions from {names}: {exc}", offenders, "rejected"))
-                return
-        if not self.screened.done():
-            self.screened.set_result(None)
-            self._check_reduced()
+                return self.owner_for(shard, sender)
+            except RoundFailed:
+                if time.monotonic() >= until or self._failed is not None:
+                    raise
+            await asyncio.sleep(0.05)
 
-    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _take_over(self, shard: int) -> ShardOwner:
+        dead = self.ids[self.owners[shard]]
+        left = {self.owners[shard]} | {self.ids.index(p) for p in self.lost | self.left}
+        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left, fallback_for=dead)
+        self.owned[shard] = owner
+        return owner
 
-    async def _reduce_part(self, k: int, norms: list[float] | None) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            frame, sumsq = await loop.run_in_executor(self.executor, self._reduce, k, norms)
-        except Exception as exc:  # e.g. an average that overflowed to Inf: the round cannot complete
-            self.abort(RoundFailed(f"averaging part {k} failed: {exc}", set(), "local"))
+    def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
+        """The member that reduces `shard`: its owner, or else the next owner in member order not seen lost."""
+        lost = self.lost | (also_lost or set())
+        for step in range(self.n_shards):
+            candidate = self.owners[(shard + step) % self.n_shards]
+            if self.ids[candidate] not in lost:
+                return candidate
+        return None
+
+    def member_left(self, peer_id: str) -> None:
+        """`peer_id`'s stream to us broke off: every shard we reduce stops waiting for it. That alone does not make
+        it lost as an owner: its round may have failed (bad data elsewhere), and then our own exchange with it
+        brings its abort a moment later, which must fail our round too rather than send us to a fallback."""
+        if peer_id == self.identity.peer_id or peer_id not in self.ids:
             return
-        self.reply_sumsq[self.me][k] = sumsq
-        if not self.frames[k].done():
-            self.frames[k].set_result(frame)
-        self._left -= 1
-        self._check_reduced()
+        self.left.add(peer_id)
+        index = self.ids.index(peer_id)
+        for owner in self.owned.values():
+            owner.drop(index)
 
-    def _check_reduced(self) -> None:
-        if self._left == 0 and self.screened.done() and not self.reduced.done():
-            self.reduced.set_result(None)
-
-    def _invalid(self, peer_id: str, reason: str) -> None:
-        if self.on_invalid is not None:
-            self.on_invalid(peer_id, reason)
-
-    def _reduce(self, k: int, norms: list[float] | None) -> tuple[SealedFrame, float]:
-        """Average part k in fp32 in member order, encode once, and decode our own bytes so we match every other
-        member (a lossless codec's bytes decode to the average itself, so it is used as is). With a guard, the run's
-        aggregation rule (the clipped mean gets the whole contributions' norms)."""
-        contribs = [c for c in self.contrib[k] if c is not None]
-        self.contrib[k] = [None] * self.n  # nothing keeps a part's contributions once it is averaged
-        if self.guard is not None:
-            acc = self.guard.aggregate(contribs, self.private[k], norms)
-        else:
-            acc = mean_of(contribs, self.private[k])
-        encoded = self.codec.encode_frame(acc)
-        own = acc if self.codec.lossless else self.codec.decode(bytes(encoded), acc.numel())
-        self._place(self.parts[self.me][k], own)
-        return encoded, sum_of_squares(own)
-
-    async def serve(
-        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str
-    ) -> AsyncIterator[pb.TensorMessage]:
-        """Server side of one Reduce stream (whose header the service already verified as `sender`'s): read the
-        member's parts while replying with each averaged part as soon as it is known."""
-        reader = asyncio.ensure_future(self._read_parts(messages, verifier, sender))
-        try:
-            chain = b""
-            last = len(self.frames) - 1
-            for k, (lo, hi) in enumerate(self.parts[self.me]):
-                frame = await self._until(self.frames[k], reader)
-                if k == last:  # the whole contributions must pass the guard before the round can complete
-                    await self._until(self.screened, reader)
-                header = pb.TensorHeader(
-                    round_id=self.group.round_id,
-                    shard=self.me,
-                    part=k,
-                    numel=hi - lo,
-                    codec=codec_to_wire(self.codec.name),
-                    included_mask=self.all_mask,
-                    kind=kind_to_wire("gather"),
-                )
-                msgs, chain = part_messages(header, frame, self.identity, self.run_id, self.chunk_bytes, chain)
-                self.stats.wire_bytes += len(frame)
-                self.stats.messages += len(msgs)
-                self.stats.raw_bytes += 4 * (hi - lo)
-                for msg in msgs:
-                    yield msg
-            await reader  # done by now (our last part needed all of its parts); raises what it raised
-        finally:
-            if not reader.done():
-                reader.cancel()
-            reader.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: the round failed anyway
-
-    async def _until(self, fut: asyncio.Future, reader: asyncio.Future) -> object:
-        """`fut`'s result, failing at once if the stream's reader failed or the round's deadline passed."""
-        while not fut.done():
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait({fut} if reader.done() else {fut, reader}, timeout=remaining,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                raise reader.exception()  # type: ignore[misc]
-        return fut.result()
-
-    async def _read_parts(self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str) -> None:
-        chain = b""
-        try:
-            for k in range(len(self.frames)):
-
-                async def limit(who: str, header: pb.TensorHeader, k: int = k) -> int:
-                    return self.max_wire(who, header, k)
-
-                first = sender if k == 0 else None
-                rx = await read_tensor(messages, verifier, limit, verified_sender=first, chain=chain)
-                if rx.sender != sender:
-                    raise StreamError("malformed", f"part {k} is signed by another peer")
-                if rx.header.round_id != self.group.round_id:
-                    raise StreamError("wrong_round", "contribution names another round")
-                chain = rx.digest
-                try:
-                    await self.add_contribution(sender, k, rx.payload)
-                except CodecError as exc:  # a member's frame does not decode: the round cannot complete with it
-                    raise StreamError("malformed", f"contribution part {k} does not decode: {exc}") from exc
-        except StreamError as exc:
-            exc.sender = exc.sender or sender  # the stream's first header was the sender's: so is what follows it
-            raise
+    def member_lost(self, peer_id: str) -> None:
+        """`peer_id` is gone (our exchange with it failed with UNAVAILABLE, or it fell silent in gossip): every
+        shard we reduce stops waiting for it, and an exchange with it moves on to the next in line."""
+        if peer_id in self.lost or peer_id == self.identity.peer_id or peer_id not in self.ids:
+            return
+        self.lost.add(peer_id)
+        self.member_left(peer_id)
+        for target, attempt in self._attempts.values():
+            if target == peer_id and not attempt.done():
+                attempt.cancel()
 
     def abort(self, exc: BaseException) -> None:
-        for fut in (*self.frames, self.screened, self.reduced):
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.exception()  # mark retrieved: waiters see it, asyncio does not log it
+        self._failed = self._failed or exc
+        for owner in list(self.owned.values()):
+            owner.abort(exc)
 
     def _on_deadline(self) -> None:
-        missing = {self.ids[i] for i, g in enumerate(self.got) if g < len(self.frames)}
+        missing = set().union(*(o.missing() for o in self.owned.values())) if self.owned else set()
         self.abort(RoundFailed(f"round timed out waiting for {sorted(p[:8] for p in missing)}", missing, "timeout"))
 
     # -- member side ------------------------------------------------------------------------------------------
@@ -407,38 +264,23 @@ class ReduceRound:
         tasks: dict[int, asyncio.Future] = {}
         try:
             await loop.run_in_executor(self.executor, self._prepare)
-            tasks = {
-                j: asyncio.ensure_future(self._exchange(j, stub_for, verifier))
-                for j in range(self.n_shards)
-                if j != self.me
-            }
-            waiting: list[asyncio.Future] = list(tasks.values())
-            own_wait: asyncio.Future | None = None
-            if self.me >= 0:  # an outbound-only member owns no shard: nothing to reduce here
-                self._spawn(self._feed_own())
-                own_wait = asyncio.ensure_future(asyncio.shield(self.reduced))
-                waiting.append(own_wait)
+            tasks = {j: asyncio.ensure_future(self._obtain(j, stub_for, verifier)) for j in range(self.n_shards)}
             remaining = max(self.deadline - time.monotonic(), 0.01)
-            try:
-                # Fail as soon as any part fails (not when the parts before it in member order are done), so a
-                # failure anywhere in the group reaches every member in one round trip.
-                done, pending = await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
-                failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
-                if failed and pending and not any(_own_evidence(e) for e in failed):
-                    # A stream that broke off names nobody, and another member's abort names whom *it* blames (a
-                    # hostile owner may name an honest peer): our own evidence, a moment later, is worth waiting
-                    # for, so that every honest member leaves the same peer out of the retry
-                    more, _ = await asyncio.wait(pending, timeout=BLAME_GRACE_S, return_when=asyncio.FIRST_EXCEPTION)
-                    failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
-                if failed:
-                    named = [e for e in failed if isinstance(e, RoundFailed) and e.suspects]
-                    raise next((e for e in named if _own_evidence(e)), named[0] if named else failed[0])
-                if pending:
-                    raise TimeoutError
-            except BaseException:
-                if own_wait is not None:
-                    own_wait.cancel()
-                raise
+            # Fail as soon as any shard fails (not when the shards before it are done), so a failure anywhere in
+            # the group reaches every member in one round trip.
+            done, pending = await asyncio.wait(tasks.values(), timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
+            if failed and pending and not any(_own_evidence(e) for e in failed):
+                # Another member's abort names whom *it* blames (a hostile owner may name an honest peer): our own
+                # evidence, a moment later, is worth waiting for, so that every honest member leaves the same peer
+                # out of the retry
+                more, _ = await asyncio.wait(pending, timeout=BLAME_GRACE_S, return_when=asyncio.FIRST_EXCEPTION)
+                failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
+            if failed:
+                named = [e for e in failed if isinstance(e, RoundFailed) and e.suspects]
+                raise next((e for e in named if _own_evidence(e)), named[0] if named else failed[0])
+            if pending:
+                raise TimeoutError
         except BaseException as exc:
             for task in tasks.values():
                 task.cancel()
@@ -447,10 +289,10 @@ class ReduceRound:
         finally:
             self._deadline_handle.cancel()
         if self.guard is not None:  # the same verdict on every member: it depends only on bytes they all received
-            norms = [_rms(self.reply_sumsq[j], hi - lo) for j, (lo, hi) in enumerate(self.bounds)]
+            norms = [rms(self.reply_sumsq[j], hi - lo) for j, (lo, hi) in enumerate(self.bounds)]
             bad = [self.owners[j] for j in self.guard.screen_reply_norms(self.me, norms)]
             for i in bad:
-                self._invalid(self.ids[i], "too_large")
+                self.ctx.invalid(self.ids[i], "too_large")
             if bad:
                 names = sorted(self.ids[i][:8] for i in bad)
                 raise RoundFailed(f"averaged shards from {names} are far larger than the others'",
@@ -459,7 +301,59 @@ class ReduceRound:
         self.stats.seconds = time.perf_counter() - t0
         if self.want_decoded and not self._poisoning:
             self.sent_decoded = self.vector.detach().float().cpu() if self.codec.lossless else self._decoded
-        return RoundResult(self.average, self.group, list(self.ids), self.stats, self.sent_decoded)
+        covered = set(range(self.n)).intersection(*(m for shard in self.masks for m in shard))
+        included = [self.ids[i] for i in sorted(covered)]
+        lost = [p for p in self.ids if p in self.lost or p not in included]
+        return RoundResult(self.average, self.group, included, self.stats, self.sent_decoded, lost, self.fallbacks)
+
+    async def _obtain(self, j: int, stub_for: StubFor, verifier: Verifier) -> None:
+        """Shard j's average: from its owner, or, once that owner is lost, from the next in line (perhaps us)."""
+        target = self.owners[j]
+        while True:
+            if target == self.member:
+                await self._reduce_here(j)
+                return
+            pid = self.ids[target]
+            attempt = asyncio.ensure_future(self._exchange(j, target, stub_for, verifier))
+            self._attempts[j] = (pid, attempt)
+            try:
+                await asyncio.wait({attempt})
+            except asyncio.CancelledError:
+                attempt.cancel()
+                raise
+            if not attempt.cancelled():  # cancelled: member_lost(pid) moved us on
+                exc = attempt.exception()
+                if exc is None:
+                    return
+                if not isinstance(exc, OwnerLost):
+                    raise exc
+                self.member_lost(pid)
+            nxt = self._next_in_line(j)
+            if nxt is None:
+                raise RoundFailed(f"every peer that could reduce shard {j} is lost", set(self.lost), "peer_lost")
+            self.fallbacks += 1
+            target = nxt
+
+    async def _reduce_here(self, j: int) -> None:
+        """Shard j is ours to reduce (our own, or taken over): feed our own contribution, wait for the average."""
+        owner = self.owned.get(j) or self._take_over(j)
+        loop = asyncio.get_running_loop()
+        for k, (lo, hi) in enumerate(self.parts[j]):
+            if owner.reduced.done():
+                break
+            if self.codec.lossless and not self._poisoning:
+                own = self.vector[lo:hi].cpu()  # the caller's memory (or a copy): never summed into
+                sumsq = await loop.run_in_executor(self.executor, sum_of_squares, own)
+                if owner.reduced.done():
+                    break
+                owner.accept(self.member, k, own, sumsq, private=False)
+            else:
+                payload = await loop.run_in_executor(self.executor, self._encode_part, j, k, True)
+                await owner.add_contribution(self.identity.peer_id, k, bytes(payload))
+        await asyncio.shield(owner.reduced)
+        for k, fut in enumerate(owner.frames):
+            self.masks[j][k] = _mask_members(fut.result()[1], self.n) or set()
+        self.reply_sumsq[j] = list(owner.reply_sumsq)
 
     def _prepare(self) -> None:
         """Refuse a vector no codec would send (what encoding it whole used to refuse) before any stream opens, and
@@ -475,39 +369,22 @@ class ReduceRound:
         assert self.average is not None
         self.average[bounds[0] : bounds[1]] = values
 
-    def _encode_part(self, j: int, k: int) -> bytes | SealedFrame:
+    def _encode_part(self, j: int, k: int, ours: bool = False) -> bytes | SealedFrame:
         """Our contribution's part k of shard j as a frame (in the executor, one part ahead of the stream)."""
         lo, hi = self.parts[j][k]
         x = self.vector[lo:hi]
         if self._poisoning:
             bad = faults.poisoned(x)
-            if j == self.me and not bool(torch.isfinite(bad).all()):
+            if ours and not bool(torch.isfinite(bad).all()):
                 bad = x  # a NaN frame would not decode for us either
             frame: bytes | SealedFrame = faults.forge_frame(self.codec, bad.contiguous())
         else:
             frame = self.codec.encode_frame(x.contiguous())
             if self._decoded is not None:  # for error feedback
                 self._decoded[lo:hi] = self.codec.decode(bytes(frame), hi - lo)
-        return frame if j == self.me else faults.corrupt(frame, k)
+        return frame if ours else faults.corrupt(frame, k)
 
-    async def _feed_own(self) -> None:
-        """Our own contribution to our shard, part by part (a lossless codec's: our vector itself, not a frame)."""
-        loop = asyncio.get_running_loop()
-        try:
-            for k, (lo, hi) in enumerate(self.parts[self.me]):
-                if self.codec.lossless and not self._poisoning:
-                    own = self.vector[lo:hi].cpu()  # the caller's memory (or a copy): never summed into
-                    sumsq = await loop.run_in_executor(self.executor, sum_of_squares, own)
-                    if self.reduced.done():
-                        return
-                    self._accept(self.member, k, own, sumsq, private=False)
-                else:
-                    payload = await loop.run_in_executor(self.executor, self._encode_part, self.me, k)
-                    await self.add_contribution(self.identity.peer_id, k, bytes(payload))
-        except Exception as exc:
-            self.abort(exc if isinstance(exc, RoundFailed) else RoundFailed(f"our own contribution failed: {exc!r}"))
-
-    async def _send_parts(self, j: int) -> AsyncIterator[pb.TensorMessage]:
+    async def _send_parts(self, j: int, owner: str) -> AsyncIterator[pb.TensorMessage]:
         """Our contribution to shard j, part by part: each part is encoded while the one before it is on the wire."""
         loop = asyncio.get_running_loop()
         parts = self.parts[j]
@@ -525,20 +402,20 @@ class ReduceRound:
                 codec=codec_to_wire(self.codec.name),
                 kind=kind_to_wire("reduce"),
             )
-            msgs, chain = part_messages(header, payload, self.identity, self.run_id, self.chunk_bytes, chain)
-            self.stats.wire_bytes += len(payload)
-            self.stats.messages += len(msgs)
-            self.stats.raw_bytes += 4 * (hi - lo)
+            msgs, chain = part_messages(
+                header, payload, self.identity, self.run_id, self.chunk_bytes, chain, self.stats
+            )
             for msg in msgs:
                 yield msg
-        self._sent.add(j)
+            faults.after_reduce_part()
+        self._sent.add((j, owner))
 
-    async def _exchange(self, j: int, stub_for: StubFor, verifier: Verifier) -> None:
-        member = self.group.members[self.owners[j]]
+    async def _exchange(self, j: int, target: int, stub_for: StubFor, verifier: Verifier) -> None:
+        member = self.group.members[target]
         pid = member.peer_id
         stub = stub_for(member)
         remaining = max(self.deadline - time.monotonic(), 0.01)
-        call = stub.Reduce(self._send_parts(j), timeout=remaining)  # type: ignore[attr-defined]
+        call = stub.Reduce(self._send_parts(j, pid), timeout=remaining)  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         chain = b""
         try:
@@ -548,13 +425,15 @@ class ReduceRound:
                 h = rx.header
                 if rx.sender != pid or h.shard != j or h.part != k or h.round_id != self.group.round_id:
                     raise RoundFailed(f"reply from {pid[:8]} does not match the round", {pid}, "malformed")
-                if bytes(h.included_mask) != self.all_mask:
-                    raise RoundFailed(f"{pid[:8]} averaged a different set of peers", {pid})
+                covers = _mask_members(bytes(h.included_mask), self.n)
+                if covers is None or (target not in covers and self.owners[j] == target):
+                    raise RoundFailed(f"{pid[:8]} sent a malformed set of included peers", {pid}, "malformed")
+                self.masks[j][k] = covers
                 chain = rx.digest
                 self.stats.received_wire_bytes += len(rx.payload)
                 now = time.perf_counter()  # C4-style timing: how late and how fast this owner's average came back
-                start, got = self._rx.get(f"reply:{pid}", (now, 0))
-                self._rx[f"reply:{pid}"] = (start, got + len(rx.payload))
+                start, got = self.ctx.rx.get(f"reply:{pid}", (now, 0))
+                self.ctx.rx[f"reply:{pid}"] = (start, got + len(rx.payload))
                 self.reply_s[pid] = now - self.created
                 self.reply_stream_s[pid] = (now - start, got + len(rx.payload))
                 try:
@@ -562,24 +441,24 @@ class ReduceRound:
                         self.executor, self._decode_reply, (lo, hi), rx.payload
                     )
                 except CodecError as exc:
-                    self._invalid(pid, "nan" if "NaN" in str(exc) else "malformed")
+                    self.ctx.invalid(pid, "nan" if "NaN" in str(exc) else "malformed")
                     raise RoundFailed(f"{pid[:8]} sent an undecodable average: {exc}", {pid}) from exc
         except StreamError as exc:
             if exc.sender == pid:
-                self._invalid(pid, exc.reason)
+                self.ctx.invalid(pid, exc.reason)
             raise RoundFailed(f"reply from {pid[:8]} refused: {exc}", {pid}, "malformed") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 others = set(self.ids) - {pid, self.identity.peer_id}
                 named = relayed_suspects(exc.trailing_metadata(), others)
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
-            if exc.code() == grpc.StatusCode.INTERNAL and j not in self._sent:
+            if exc.code() == grpc.StatusCode.INTERNAL and (j, pid) not in self._sent:
                 # The owner ended the stream (an abort) while our parts were still going out: grpc then reports
                 # its own failed write, not the owner's status, so this names nobody rather than blaming the owner
                 raise RoundFailed(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
-            raise RoundFailed(
-                f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}", {pid}, "peer_lost"
-            ) from exc
+            kind = OwnerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else RoundFailed
+            why = f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}"
+            raise kind(why, {pid}, "peer_lost") from exc
         finally:
             call.cancel()
 
@@ -595,6 +474,6 @@ class ReduceRound:
             if task.done() and not task.cancelled() and isinstance(task.exception(), RoundFailed):
                 return task.exception()  # type: ignore[return-value]
         if isinstance(exc, asyncio.TimeoutError):
-            missing = {self.ids[i] for i, g in enumerate(self.got) if g < len(self.frames)}
+            missing = set().union(*(o.missing() for o in self.owned.values())) if self.owned else set()
             return RoundFailed("round timed out", missing, "timeout")
         return RoundFailed(f"round failed: {exc!r}")

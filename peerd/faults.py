@@ -121,14 +121,18 @@ def inbound_blockers() -> list[grpc.aio.ServerInterceptor]:
 # Exit the process (os._exit(17)) after sending this many NoLoCo exchange chunks: a real peer dies in the middle of a
 # stream, the way a crash would.
 EXCHANGE_EXIT_ENV = "PEERD_FAULT_EXCHANGE_EXIT_AFTER_CHUNKS"
+# Exit the process after handing this many parts of its contributions to Reduce streams (peerd/allreduce.py), all
+# rounds counted: a member (and shard owner) dies in the middle of a round.
+REDUCE_EXIT_ENV = "PEERD_FAULT_REDUCE_EXIT_AFTER_PARTS"
 
 
-class _ExchangeExit:
-    """Counts exchange chunks this process sent, for the EXCHANGE_EXIT_ENV injector."""
+class _ExitAfter:
+    """Counts what this process sent, and exits after the count its environment variable names."""
 
-    def __init__(self) -> None:
-        raw = _env(EXCHANGE_EXIT_ENV).strip()
+    def __init__(self, env: str, what: str) -> None:
+        raw = _env(env).strip()
         self.exit_after = int(raw) if raw else None
+        self.what = what
         self.sent = 0
 
     def on_chunk(self) -> None:
@@ -136,12 +140,17 @@ class _ExchangeExit:
             return
         self.sent += 1
         if self.sent >= self.exit_after:
-            logging.getLogger("peerd").error("fault injection: exiting after sending %d exchange chunks", self.sent)
+            logging.getLogger("peerd").error("fault injection: exiting after sending %d %s", self.sent, self.what)
             logging.shutdown()
             os._exit(17)
 
 
-EXCHANGE_EXIT = _ExchangeExit()
+EXCHANGE_EXIT = _ExitAfter(EXCHANGE_EXIT_ENV, "exchange chunks")
+REDUCE_EXIT = _ExitAfter(REDUCE_EXIT_ENV, "reduce parts")
+
+
+def after_reduce_part() -> None:
+    REDUCE_EXIT.on_chunk()
 
 
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the

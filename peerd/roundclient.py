@@ -305,6 +305,7 @@ class RoundClient:
                 guard=self.d.guard,
                 on_invalid=self.d.checks.invalid_contribution,
                 part_bytes=part_bytes,
+                weights=[member_weight(group, m.peer_id) for m in group.members] if weight != 1.0 else None,
             )
             self.register_round(group.round_id, rnd)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
@@ -313,7 +314,7 @@ class RoundClient:
                 result = await self._unless_silent(
                     rnd.run(self.stub_for, self.d.verifier),
                     [m.peer_id for m in group.members],
-                    lambda pid, rnd=rnd: rnd.abort(RoundFailed(f"member {pid[:8]} went silent", {pid}, "peer_lost")),
+                    rnd.member_lost,  # the round goes on without it (allreduce.py)
                 )
             except RoundFailed as exc:
                 failed_round = bytes(group.round_id)
@@ -334,6 +335,14 @@ class RoundClient:
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
             result.stats.seconds = time.perf_counter() - t0
+            if result.lost:
+                log.warning(
+                    "round for step %d survived the loss of %s mid-round (%d shard(s) from a fallback owner); "
+                    "it included %d of %d members",
+                    step, sorted(p[:8] for p in result.lost), result.fallbacks, len(result.included), len(rnd.ids),
+                )  # fmt: skip
+                for pid in result.lost:
+                    self.d.membership.mark_unreachable(pid)
             if weight != 1.0 and result.sent_decoded is not None:
                 result.sent_decoded.div_(weight)  # error feedback works in the unscaled units of `vector`
             # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
@@ -341,7 +350,7 @@ class RoundClient:
             assert self.d.loop is not None
             self.d.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
-                self.d.membership.note_round(step + 1, [m.peer_id for m in group.members])
+                self.d.membership.note_round(step + 1, list(result.included))  # not those that left mid-round
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
             # a member's slowest stream to us: its contribution to our shard, or its averaged shard back
             streams = dict(rnd.stream_s)

@@ -226,7 +226,7 @@ class RoundsService(rpc.RoundsServicer):
                 rnd = await self.rounds.wait_round(first.header.round_id)
                 if rnd is None:
                     raise StreamError("unknown_round", "Reduce: no such round here")
-                async for msg in rnd.serve(prepend(first, it), self.checks.verifier, sender):
+                async for msg in rnd.serve(prepend(first, it), self.checks.verifier, sender, first.header.shard):
                     yield msg
         except StopAsyncIteration:
             await self.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")
@@ -240,14 +240,12 @@ class RoundsService(rpc.RoundsServicer):
                     self.rounds.fail_round_with(first.header.round_id, peer_id_of(first.header.auth.public_key), reason)
                 await self.checks.refuse(context, reason, grpc.StatusCode.PERMISSION_DENIED, f"Reduce: {exc}")
             if rnd is not None and sender is not None and sender in rnd.ids:
-                if reason == "truncated":
-                    # A member whose own round just failed elsewhere cancels its streams: the break is no proof
-                    # against it, and blaming it made the members' retries skip different peers and split into
-                    # groups of one.
-                    rnd.abort(RoundFailed(f"contribution from {sender[:8]} broke off: {exc}"))
-                else:
-                    rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
+                # A stream that broke off or stalled (the member's round failed elsewhere, it died, or it is a slow
+                # loris) fails nobody's round: the shard's owner dropped it (shard_owner.ShardOwner.serve).
+                if reason != "truncated":
                     self.checks.suspect(sender, reason)
+                if reason not in ("truncated", "timeout"):
+                    rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
             await self.checks.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))

@@ -1,0 +1,80 @@
+"""What both sides of a round share: its failure (with whom it blames), its byte counters, the float64 squares the
+screening sums part by part, and one part's signed messages. Kept apart so that the member side (allreduce.py) and
+the owner side (shard_owner.py) import them without importing each other."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from peerd.codecs.frame import SealedFrame
+from peerd.identity import Identity
+from peerd.streams import tensor_messages
+from peerd.v1 import peerd_pb2 as pb
+
+
+class RoundFailed(RuntimeError):
+    """The round could not complete. `suspects` are peers that seem to be at fault (unreachable, silent). With
+    reason "aborted" they are another member's word, not something we saw: worth skipping in the retry, not
+    worth marking unreachable."""
+
+    def __init__(self, message: str, suspects: set[str] | None = None, reason: str = "aborted") -> None:
+        super().__init__(message)
+        self.suspects = suspects or set()
+        self.reason = reason
+
+
+SUSPECTS_KEY = "peerd-suspects"
+"""Trailing metadata of an aborted Reduce stream: whom the owner blames. Without it, a member whose round an owner
+aborted retried with the offender again, while the rest of the group retried without it: two groups, one step."""
+
+
+def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
+    return ((SUSPECTS_KEY, ",".join(sorted(exc.suspects))),) if exc.suspects else ()
+
+
+def relayed_suspects(metadata: object, allowed: set[str]) -> set[str]:
+    """The suspects an aborting owner named, limited to `allowed` (the round's other members)."""
+    named: set[str] = set()
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == SUSPECTS_KEY and isinstance(value, str):
+            named |= set(value[:4096].split(",")) & allowed
+    return named
+
+
+@dataclass
+class RoundStats:
+    raw_bytes: int = 0  # fp32 bytes this peer's sends would have taken uncompressed
+    wire_bytes: int = 0  # bytes it actually sent
+    received_wire_bytes: int = 0
+    seconds: float = 0.0
+    messages: int = 0  # stream messages sent (bench.scale: per-peer message rate)
+
+
+def sum_of_squares(t: torch.Tensor) -> float:
+    """In float64, so that summing parts' values in part order gives every member the same whole norm."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 if t.numel() else 0.0
+
+
+def rms(parts_sumsq: list[float], numel: int) -> float:
+    return math.sqrt(sum(parts_sumsq) / numel) if numel else 0.0
+
+
+def part_messages(
+    header: pb.TensorHeader,
+    payload: bytes | SealedFrame,
+    identity: Identity,
+    run_id: bytes,
+    chunk: int,
+    chain: bytes,
+    stats: RoundStats | None = None,
+) -> tuple[list[pb.TensorMessage], bytes]:
+    """One part's signed messages and its digest (the next part's chain), counted in `stats` as sent."""
+    msgs = list(tensor_messages(header, payload, identity, run_id, chunk, chain))
+    if stats is not None:
+        stats.wire_bytes += len(payload)
+        stats.messages += len(msgs)
+        stats.raw_bytes += 4 * header.numel
+    return msgs, msgs[-1].trailer.digest

@@ -1,0 +1,61 @@
+"""A round survives a member's death (issue 15): real `peerd start` processes, one of which exits in the middle of a
+round (the PEERD_FAULT_REDUCE_EXIT_AFTER_PARTS injector: after handing some of its contributions to Reduce streams,
+before the rest). The others finish that very round without it, with no failed attempt and no retry: the owners drop
+its missing contributions, and the shard it owned is reduced by the next owner in line. Every member still ends
+bit-identical, and the round says whom it included and whom it expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.swarm import Swarm, ids_in_order, tiny_config
+from tests.test_swarm_diloco import assert_identical_globals
+
+pytestmark = pytest.mark.slow
+
+EXIT_ENV = "PEERD_FAULT_REDUCE_EXIT_AFTER_PARTS"
+
+
+@pytest.mark.parametrize(
+    ("victim_id", "codec"),
+    [("highest", "fp32"), ("lowest", "fp32"), ("highest", "int8")],
+    ids=["member", "leader", "member-int8"],
+)
+def test_a_member_dies_mid_round_and_the_round_completes_without_it(tmp_path: Path, victim_id: str, codec: str) -> None:
+    n = 4
+    # The tiny model's shards are one part each, so a member hands n-1 parts to grpc per round: exiting after
+    # n-1 + 2 parts dies in its second round with its contribution delivered to two owners and not to the third.
+    # "lowest" makes it the round's leader as well (the lowest id leads), the first shard's owner.
+    ids_in_order(tmp_path, n, descending=victim_id == "lowest")
+    cfg = tiny_config(tmp_path, run__outer_steps=4, codec__name=codec)  # int8: the lossy path (frames, not tensors)
+    swarm = Swarm(tmp_path, n, cfg)
+    try:  # not `with swarm`, which would start all four without the injector
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):  # all start together (--wait-peers), so the first rounds hold all four
+            env = {EXIT_ENV: str(n - 1 + 2)} if i == n - 1 else None
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
+        victim = swarm.peers[-1]
+        survivors = swarm.peers[: n - 1]
+        assert victim.wait(120) == 17, victim.log_tail()
+        swarm.wait_exit(180, survivors)
+    finally:
+        swarm.stop()
+    assert "fault injection: exiting after sending 5 reduce parts" in victim.log()
+    assert_identical_globals([p.data_dir for p in survivors])
+    died_in = None
+    for p in survivors:
+        s = p.summary()
+        log = p.log()
+        assert s["outer_step"] == 4, p.log_tail()
+        assert s["rounds_failed"] == 0, p.log_tail()  # no attempt failed: the round went on without the dead
+        assert "survived the loss of" in log, p.log_tail()
+        partial = [r for r in s["rounds"] if len(r["included"]) < n]
+        assert partial, s["rounds"]
+        first = partial[0]
+        died_in = first["step"] if died_in is None else died_in
+        assert first["step"] == died_in  # every survivor: the same round
+        assert first["partial"] and len(first["expected"]) == n and len(first["included"]) == n - 1, first
+        full = [r for r in s["rounds"] if r["step"] < died_in]
+        assert full and all(len(r["included"]) == n for r in full), s["rounds"]

@@ -1,0 +1,113 @@
+"""Unit tests of one shard owner's drop rule (peerd/shard_owner.py), in memory: contributions go straight into
+`accept`, no stream. The real-process behaviour (a member dies mid-round) is tests/test_round_survives.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from peerd.codecs import make_codec
+from peerd.identity import Identity
+from peerd.roundtypes import RoundStats, sum_of_squares
+from peerd.shard_owner import RoundContext, ShardOwner
+from peerd.v1 import peerd_pb2 as pb
+
+PARTS = [(0, 4), (4, 8)]
+
+
+def _owner(n: int, weights: list[float] | None = None) -> tuple[ShardOwner, torch.Tensor, list[str]]:
+    ident = Identity.generate()
+    ids = [ident.peer_id] + [f"{i:064x}" for i in range(1, n)]
+    result = torch.zeros(8)
+    left: list[str] = []
+
+    def place(bounds: tuple[int, int], values: torch.Tensor) -> None:
+        result[bounds[0] : bounds[1]] = values
+
+    ctx = RoundContext(
+        pb.Group(round_id=b"r" * 32), ids, 0, ident, b"run", make_codec("fp32"), ThreadPoolExecutor(1), 1 << 20,
+        None, None, place, left.append, RoundStats(), time.monotonic() + 30, weights,
+    )  # fmt: skip
+    return ShardOwner(ctx, 0, PARTS, set(range(n))), result, left
+
+
+def _give(owner: ShardOwner, index: int, part: int, values: torch.Tensor) -> None:
+    owner.accept(index, part, values.clone(), sum_of_squares(values))
+
+
+def _mask(owner: ShardOwner, k: int) -> bytes:
+    return owner.frames[k].result()[1]
+
+
+def test_a_dropped_contributor_counts_where_it_arrived_and_nowhere_else() -> None:
+    async def main() -> None:
+        owner, result, _ = _owner(3)
+        x = [torch.full((8,), float(10**i)) for i in range(3)]  # 1, 10, 100: each sum says who is in it
+        _give(owner, 2, 0, x[2][:4])  # member 2 sends its first part, then dies
+        for i in (0, 1):
+            _give(owner, i, 0, x[i][:4])
+        _give(owner, 0, 1, x[0][4:])
+        _give(owner, 1, 1, x[1][4:])
+        await asyncio.sleep(0.2)
+        assert not owner.frames[1].done()  # still waiting for member 2's second part
+        owner.drop(2)
+        await asyncio.wait_for(asyncio.shield(owner.reduced), 5)
+        assert _mask(owner, 0) == bytes([0b111]) and _mask(owner, 1) == bytes([0b011])
+        assert torch.equal(result[:4], torch.full((4,), 111 / 3))
+        assert torch.equal(result[4:], torch.full((4,), 11 / 2))
+        _give(owner, 2, 1, x[2][4:])  # a late part of a dropped member changes nothing, and is no error
+
+    asyncio.run(main())
+
+
+def test_a_contributor_that_delivered_everything_is_not_dropped() -> None:
+    async def main() -> None:
+        owner, result, _ = _owner(3)
+        for k, (lo, hi) in enumerate(PARTS):
+            _give(owner, 1, k, torch.ones(hi - lo))
+        owner.drop(1)  # it left after its last part: its contribution counts in full
+        owner.drop(0)  # the owner never drops itself
+        for k, (lo, hi) in enumerate(PARTS):
+            _give(owner, 0, k, torch.zeros(hi - lo))
+        assert not owner.reduced.done()  # member 2 is still awaited
+        owner.drop(2)
+        await asyncio.wait_for(asyncio.shield(owner.reduced), 5)
+        assert _mask(owner, 0) == _mask(owner, 1) == bytes([0b011])
+        assert torch.equal(result, torch.full((8,), 0.5))
+
+    asyncio.run(main())
+
+
+def test_a_weighted_subset_keeps_the_token_weighted_mean() -> None:
+    async def main() -> None:
+        # members scaled their vectors by w = tokens / mean(tokens): tokens 1, 2, 3 give w = 0.5, 1, 1.5
+        w = [0.5, 1.0, 1.5]
+        owner, result, _ = _owner(3, w)
+        raw = [torch.full((8,), v) for v in (2.0, 4.0, 8.0)]
+        for k, (lo, hi) in enumerate(PARTS):
+            for i in (0, 1):
+                _give(owner, i, k, raw[i][lo:hi] * w[i])
+        owner.drop(2)  # never sent anything
+        await asyncio.wait_for(asyncio.shield(owner.reduced), 5)
+        expected = (1 * 2.0 + 2 * 4.0) / 3  # the token-weighted mean of the two that remain
+        assert torch.allclose(result, torch.full((8,), expected)), result
+
+    asyncio.run(main())
+
+
+def test_a_shard_taken_over_waits_only_for_its_contributors() -> None:
+    async def main() -> None:
+        owner, result, _ = _owner(4)
+        owner = ShardOwner(owner.ctx, 1, PARTS, {0, 2}, fallback_for=owner.ctx.ids[1])  # member 3 was seen lost
+        for k, (lo, hi) in enumerate(PARTS):
+            _give(owner, 0, k, torch.full((hi - lo,), 1.0))
+            _give(owner, 1, k, torch.full((hi - lo,), 50.0))  # the dead owner's own: ignored
+            _give(owner, 2, k, torch.full((hi - lo,), 3.0))
+        await asyncio.wait_for(asyncio.shield(owner.reduced), 5)
+        assert _mask(owner, 0) == _mask(owner, 1) == bytes([0b0101])
+        assert torch.equal(result, torch.full((8,), 2.0))
+
+    asyncio.run(main())
