@@ -89,13 +89,16 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
-def run_size(n: int, seconds: float, churn: float, params: int, gossip_entries: int, seed: int) -> dict[str, Any]:
+def run_size(
+    n: int, seconds: float, churn: float, params: int, gossip_entries: int, seed: int, keep: bool = False
+) -> dict[str, Any]:
     from tests.swarm import Swarm
 
     rng = random.Random(seed)
     # 64 daemons share this machine's memory: fewer malloc arenas per process (gRPC runs many threads)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-    with tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
+    kept = tempfile.mkdtemp(prefix=f"peerd-scale{n}-") if keep else None  # the peers' logs, for a post-mortem
+    with contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
         tmp = Path(tmpdir)
         cfg = _config(tmp, params, gossip_entries)
         swarm = Swarm(tmp, n, cfg, metrics=True, wait_peers=True)  # --wait-peers N: all start together
@@ -122,7 +125,10 @@ def run_size(n: int, seconds: float, churn: float, params: int, gossip_entries: 
             t1 = time.time()
             after = {i: _scrape(u) for i, u in urls.items()}
             logs = {p.index: p.log() for p in swarm.peers}
-        return _report(n, t0, t1, before, after, logs, kills)
+        row = _report(n, t0, t1, before, after, logs, kills)
+        if kept:
+            row["kept"] = kept
+        return row
 
 
 def _peer_id(log: str) -> str:
@@ -205,10 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gossip-entries", type=int, default=8, help="network.gossip_entries")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep every peer's data dir and log (the path is printed)")
     args = ap.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
-        row = run_size(n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed)
+        row = run_size(n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep)
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)

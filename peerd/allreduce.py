@@ -56,9 +56,10 @@ from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_to_wire, kind_to_wire
 
 BLAME_GRACE_S = 0.5
-FALLBACK_GRACE_S = 2.0
+FALLBACK_GRACE_S = 10.0
 """How long a peer asked to take over a shard waits for its own view to agree that every owner before it in line is
-lost (its own exchanges with them fail a moment after the asker's did), before it refuses."""
+lost (its own exchanges with them fail a moment after the asker's did: seconds later on a starved event loop, as with
+64 daemons on 2 cores), before it refuses."""
 
 
 @dataclass
@@ -198,7 +199,7 @@ class ReduceRound:
     async def wait_owner(self, shard: int, sender: str) -> ShardOwner:
         """`owner_for`, giving our own view up to FALLBACK_GRACE_S to see the owners before us lost, as the asker
         did a moment earlier."""
-        until = time.monotonic() + FALLBACK_GRACE_S
+        until = min(time.monotonic() + FALLBACK_GRACE_S, self.deadline)
         while True:
             try:
                 return self.owner_for(shard, sender)
@@ -453,9 +454,11 @@ class ReduceRound:
                 named = relayed_suspects(exc.trailing_metadata(), others)
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
             if exc.code() == grpc.StatusCode.INTERNAL and (j, pid) not in self._sent:
-                # The owner ended the stream (an abort) while our parts were still going out: grpc then reports
-                # its own failed write, not the owner's status, so this names nobody rather than blaming the owner
-                raise RoundFailed(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
+                # The owner ended the stream while our parts were still going out: grpc then reports its own failed
+                # write, not the owner's status. The owner died, or aborted its round. Either way its shard moves
+                # on: if it aborted, its round failed and so will the fallback's (the abort reaches every member), so
+                # a live owner's shard is never reduced twice. It names nobody: an aborting owner may be honest.
+                raise OwnerLost(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
             kind = OwnerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else RoundFailed
             why = f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}"
             raise kind(why, {pid}, "peer_lost") from exc
