@@ -306,6 +306,7 @@ class RoundClient:
                 on_invalid=self.d.checks.invalid_contribution,
                 part_bytes=part_bytes,
                 weights=[member_weight(group, m.peer_id) for m in group.members] if weight != 1.0 else None,
+                on_unreachable=self.d.membership.mark_unreachable,
             )
             self.register_round(group.round_id, rnd)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
@@ -341,8 +342,6 @@ class RoundClient:
                     "it included %d of %d members",
                     step, sorted(p[:8] for p in result.lost), result.fallbacks, len(result.included), len(rnd.ids),
                 )  # fmt: skip
-                for pid in result.lost:
-                    self.d.membership.mark_unreachable(pid)
             if weight != 1.0 and result.sent_decoded is not None:
                 result.sent_decoded.div_(weight)  # error feedback works in the unscaled units of `vector`
             # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
