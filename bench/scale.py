@@ -176,7 +176,7 @@ def _report(
         for log in logs.values():
             for line in log.splitlines():
                 m = LOST.match(line)
-                if m and m[2] == pid and at <= _ts(m[1]) < until:
+                if m and m[2] == pid and at <= _ts(m[1]) < min(until, t1):  # not in the teardown after the window
                     detect.append(_ts(m[1]) - at)
                     break
     rounds = len(steps)

@@ -117,12 +117,12 @@ class ReduceRound:
         on_invalid: Callable[[str, str], None] | None = None,
         part_bytes: int = PART_BYTES,
         weights: list[float] | None = None,
-        on_unreachable: Callable[[str], None] | None = None,
+        on_unreachable: Callable[[str, str], None] | None = None,
     ) -> None:
         """`guard` checks contributions and replies and picks the aggregation rule (peerd/robust.py); `on_invalid`
         (peer id, reason) hears of every member whose signed data it refused. `part_bytes` bounds one part's frame.
         `weights`: each member's token weight, when the group is weighted (a subset's mean is re-weighted);
-        `on_unreachable` hears of an owner whose dial failed mid-round (membership marks it at once)."""
+        `on_unreachable` (peer id, address) hears of an owner whose dial failed mid-round (membership marks it)."""
         self.on_unreachable = on_unreachable
         self.want_decoded = want_decoded
         self.guard = guard
@@ -333,7 +333,7 @@ class ReduceRound:
                     raise exc
                 self.member_lost(pid)
                 if exc.suspects and self.on_unreachable is not None:  # refused or reset: a failed dial, seen now
-                    self.on_unreachable(pid)
+                    self.on_unreachable(pid, self.group.members[target].address)
             nxt = self._next_in_line(j)
             if nxt is None:
                 raise RoundFailed(f"every peer that could reduce shard {j} is lost", set(self.lost), "peer_lost")

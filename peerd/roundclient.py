@@ -247,6 +247,13 @@ class RoundClient:
                 with contextlib.suppress(BaseException):
                     await task
 
+    def _unreachable_at(self, peer_id: str, address: str) -> None:
+        """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
+        since the group formed (it restarted elsewhere: this incarnation is alive)."""
+        entry = self.d.membership.entries.get(peer_id)
+        if entry is not None and entry.info.address == address:
+            self.d.membership.mark_unreachable(peer_id)
+
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
         rnd = self.rounds.get(round_id)
@@ -306,7 +313,7 @@ class RoundClient:
                 on_invalid=self.d.checks.invalid_contribution,
                 part_bytes=part_bytes,
                 weights=[member_weight(group, m.peer_id) for m in group.members] if weight != 1.0 else None,
-                on_unreachable=self.d.membership.mark_unreachable,
+                on_unreachable=self._unreachable_at,
             )
             self.register_round(group.round_id, rnd)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
