@@ -13,12 +13,14 @@ k arrived and sends it back while later parts still arrive, so the gather direct
 
 A member's death does not restart the round (with n peers that each fail with probability p, an all-or-nothing round
 succeeds with probability (1-p)^n: 0.53 at 64 peers and 1 %). The round goes on without it:
-- its contributions: every owner drops it (its stream broke, or our own exchange with it failed), and the parts not yet
-  averaged average the others; each averaged part's signed header names whom it covers (`included_mask`);
-- its shard: every member that loses it (the owner's stream fails with UNAVAILABLE, or the owner falls silent) sends
-  that shard instead to the next owner in member order that it has not seen lost (the fallback owner), which reduces it
-  over the members still in the round. A fallback refuses a shard it is not next in line for, and waits for every
-  member it has not seen lost, so members whose views differ fail the round (and retry) rather than split it.
+- its contributions: every owner drops it (its stream broke, our own exchange with it failed, or another owner's
+  average left it out), and the parts not yet averaged average the others; each averaged part's signed header names
+  whom it covers (`included_mask`);
+- its shard: every member that loses it (the owner's stream fails with UNAVAILABLE, ends while we still send, or the
+  owner falls silent) sends that shard instead to the next owner in member order that it has not seen lost (the
+  fallback owner), which reduces it over the members still in the round. A fallback refuses a shard it is not next
+  in line for, and waits for every member it has not seen lost, so members whose views differ fail the round (and
+  retry) rather than split it.
 Every member decodes the same bytes with the same masks, so members stay bit-identical and agree on whom the round
 included (the intersection of the masks); a round that lost someone is partial, and says so. Bad data still fails the
 round on every member (owners abort the streams they serve, naming whom they blame), and the caller retries the step
@@ -228,7 +230,8 @@ class ReduceRound:
         return None
 
     def member_left(self, peer_id: str) -> None:
-        """`peer_id`'s stream to us broke off: every shard we reduce stops waiting for it. That alone does not make
+        """`peer_id`'s stream to us broke off, or another owner's averaged part left it out: every shard we reduce
+        stops waiting for it. That alone does not make
         it lost as an owner: its round may have failed (bad data elsewhere), and then our own exchange with it
         brings its abort a moment later, which must fail our round too rather than send us to a fallback."""
         if peer_id == self.identity.peer_id or peer_id not in self.ids:
@@ -435,6 +438,8 @@ class ReduceRound:
                 if covers is None or (target not in covers and self.owners[j] == target):
                     raise RoundFailed(f"{pid[:8]} sent a malformed set of included peers", {pid}, "malformed")
                 self.masks[j][k] = covers
+                for i in set(range(self.n)) - covers:  # that owner dropped them: they left, so we stop waiting too
+                    self.member_left(self.ids[i])  # (our own exchange with one may have ended before it died)
                 chain = rx.digest
                 self.stats.received_wire_bytes += len(rx.payload)
                 now = time.perf_counter()  # C4-style timing: how late and how fast this owner's average came back
