@@ -8,7 +8,8 @@ Per swarm size, over a measurement window that starts once every peer is up:
   share of those rounds that included every peer the run expected (a kill makes the rounds around it partial);
 - failed: round attempts that failed and were retried (RoundFailed), and outer steps given up on, at the bootstrap
   peer (never killed), and the share of attempts that completed: rounds / (rounds + failed); survived: rounds that
-  lost a member mid-round and completed without it (allreduce.py);
+  lost a member mid-round and completed without it (allreduce.py); and failed attempts summed over every peer's log
+  (a member whose own attempt failed downloads the swarm's state instead);
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
 - round B/peer: reduce-scatter and all-gather bytes each peer sends per completed round;
 - detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
@@ -155,6 +156,10 @@ def _report(
     # failed attempts seen by the bootstrap peer (never killed, a member of every round it completes)
     failed = sum(1 for line in logs[0].splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1)
     survived = sum(1 for line in logs[0].splitlines() if (f := SURVIVED.match(line)) and t0 <= _ts(f[1]) <= t1)
+    # the same failures at every peer (a member whose own attempt failed then downloads the swarm's state)
+    failed_any = sum(
+        1 for log in logs.values() for line in log.splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1
+    )
     per_peer = [_diff(after[i], before[i]) for i in after if i in before]
     gossip_b = [d.get("peerd_sent_bytes_total:gossip", 0.0) / window for d in per_peer]
     gossip_m = [d.get("peerd_sent_messages_total:gossip", 0.0) / window for d in per_peer]
@@ -188,6 +193,7 @@ def _report(
         "full_share": round(sum(1 for s in steps if s[2] == s[3]) / rounds, 3) if rounds else None,
         "failed_attempts": failed,
         "survived_a_loss": survived,
+        "failed_attempts_all_peers": failed_any,
         "complete_share": round(rounds / (rounds + failed), 3) if rounds + failed else None,
         "gossip_Bps": round(statistics.median(gossip_b)) if gossip_b else None,
         "gossip_msgps": round(statistics.median(gossip_m), 2) if gossip_m else None,
@@ -223,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{n:3d} peers: {row['rounds']} rounds, {row['round_s']} s/round, full {row['full_share']}, "
                 f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
-                f"survived a loss {row['survived_a_loss']}, "
+                f"survived a loss {row['survived_a_loss']}, failed attempts at any peer "
+                f"{row['failed_attempts_all_peers']}, "
                 f"gossip {row['gossip_Bps']} B/s "
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "

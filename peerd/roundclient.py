@@ -222,12 +222,19 @@ class RoundClient:
         self._round_events.pop(round_id, None)
         return self.rounds.get(round_id)
 
-    async def _unless_silent(self, work: Any, peers: list[str], on_silent: Callable[[str], None] | None = None) -> Any:
+    async def _unless_silent(
+        self,
+        work: Any,
+        peers: list[str],
+        on_silent: Callable[[str], None] | None = None,
+        incarnations: dict[str, int] | None = None,
+    ) -> Any:
         """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
         twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
         the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
         Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
-        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent)."""
+        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent).
+        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too."""
         task = asyncio.ensure_future(work)
         limit = 2 * self.d.cfg.network.peer_timeout
         try:
@@ -235,7 +242,10 @@ class RoundClient:
                 done, _ = await asyncio.wait({task}, timeout=self.d.cfg.network.gossip_interval)
                 if done:
                     return task.result()
-                silent = next((pid for pid in peers if self.d.membership.silent_for(pid) > limit), None)
+                silent = next(
+                    (p for p in peers if self.d.membership.silent_for(p) > limit or self._restarted(p, incarnations)),
+                    None,
+                )
                 if silent is not None:
                     if on_silent is None:
                         raise PeerSilent(silent)
@@ -246,6 +256,14 @@ class RoundClient:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+    def _restarted(self, peer_id: str, incarnations: dict[str, int] | None) -> bool:
+        """Whether `peer_id` restarted since the group formed (a newer incarnation announces itself): the process in
+        the round is gone, though the peer's heartbeat keeps advancing, so silence would never show it."""
+        if not incarnations or peer_id not in incarnations:
+            return False
+        entry = self.d.membership.entries.get(peer_id)
+        return entry is not None and entry.info.incarnation > incarnations[peer_id]
 
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
@@ -323,6 +341,7 @@ class RoundClient:
                     rnd.run(self.stub_for, self.d.verifier),
                     [m.peer_id for m in group.members],
                     rnd.member_lost,  # the round goes on without it (allreduce.py)
+                    {m.peer_id: m.incarnation for m in group.members},
                 )
             except RoundFailed as exc:
                 failed_round = bytes(group.round_id)

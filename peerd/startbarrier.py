@@ -32,39 +32,44 @@ MAX_PEERS = 4096  # a caller's N is capped: it only decides how long the caller 
 
 
 class StartBarrier:
-    """The host's side: who arrived, and when to let them go. Lives on the daemon's event loop."""
+    """The host's side: who arrived, and when to let them go. Lives on the daemon's event loop, so it needs no lock:
+    an asyncio.Condition waited on under asyncio.wait_for could lose its lock when the timeout's cancellation raced
+    the re-acquire (Python 3.11: "Lock is not acquired"), and with it the host's own start (a 64-peer run hung)."""
 
     def __init__(self) -> None:
         self.arrived: list[str] = []
         self.training = False  # our own worker is past its barrier (or had none): nobody is held any more
-        self._cond: asyncio.Condition | None = None
+        self._changed: asyncio.Event | None = None
 
-    def _condition(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def arrive(self, peer_id: str, n: int, timeout: float) -> list[str]:
         """Hold `peer_id` until `n` peers arrived or we train (then the run is under way: empty), at most `timeout`
         seconds; returns who arrived."""
-        cond = self._condition()
-        async with cond:
-            if self.training:
-                return []
-            if peer_id not in self.arrived:
-                self.arrived.append(peer_id)
-                cond.notify_all()
-            n = min(max(n, 1), MAX_PEERS)
+        if self.training:
+            return []
+        if peer_id not in self.arrived:
+            self.arrived.append(peer_id)
+            self._notify()
+        n = min(max(n, 1), MAX_PEERS)
+        deadline = time.monotonic() + timeout
+        while not (self.training or len(self.arrived) >= n):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if self._changed is None:
+                self._changed = asyncio.Event()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(cond.wait_for(lambda: self.training or len(self.arrived) >= n), timeout)
-            return list(self.arrived)
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return list(self.arrived)
 
     async def mark_training(self) -> None:
         """Our worker starts training: release whoever still waits, and answer later callers at once."""
-        cond = self._condition()
-        async with cond:
-            self.training = True
-            cond.notify_all()
+        self.training = True
+        self._notify()
 
 
 async def start_together(d: Daemon, n: int, timeout: float) -> bool:
