@@ -107,8 +107,8 @@ class RendezvousLeader:
         if pend is None:
             done = self.closed.get(key)
             if done is not None and failed_round != done.round_id:
-                if any(m.peer_id == info.peer_id for m in done.members):
-                    return pb.RendezvousResponse(group=done)
+                if any(m.peer_id == info.peer_id and m.incarnation == info.incarnation for m in done.members):
+                    return pb.RendezvousResponse(group=done)  # a member asking again; a restarted one is behind
                 return pb.RendezvousResponse(behind=step + 1)
             if fragment < 0 and behind_me:
                 return pb.RendezvousResponse(behind=self.my_step())
