@@ -44,7 +44,7 @@ from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
 from peerd.identity import Identity
-from peerd.layout import PART_BYTES, part_bounds, part_elems, shard_bounds
+from peerd.layout import PART_BYTES, mask_members, part_bounds, part_elems, shard_bounds
 from peerd.robust import ContributionGuard
 from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
 from peerd.roundtypes import RoundFailed as RoundFailed
@@ -82,13 +82,6 @@ class RoundResult:
 def _own_evidence(exc: BaseException) -> bool:
     """A failure that names suspects on what we saw ourselves, not on another member's word."""
     return isinstance(exc, RoundFailed) and bool(exc.suspects) and exc.reason != "aborted"
-
-
-def _mask_members(mask: bytes, n: int) -> set[int] | None:
-    """The member indices a reply's included_mask names; None if it is malformed."""
-    if len(mask) != (n + 7) // 8 or (n % 8 and mask[-1] >> (n % 8)):
-        return None
-    return {i for i in range(n) if mask[i // 8] >> (i % 8) & 1}
 
 
 class OwnerLost(RoundFailed):
@@ -214,9 +207,8 @@ class ReduceRound:
             await asyncio.sleep(0.05)
 
     def _take_over(self, shard: int) -> ShardOwner:
-        dead = self.ids[self.owners[shard]]
         left = {self.owners[shard]} | {self.ids.index(p) for p in self.lost | self.left}
-        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left, fallback_for=dead)
+        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left)
         self.owned[shard] = owner
         return owner
 
@@ -361,7 +353,7 @@ class ReduceRound:
                 await owner.add_contribution(self.identity.peer_id, k, bytes(payload))
         await asyncio.shield(owner.reduced)
         for k, fut in enumerate(owner.frames):
-            self.masks[j][k] = _mask_members(fut.result()[1], self.n) or set()
+            self.masks[j][k] = mask_members(fut.result()[1], self.n) or set()
         self.reply_sumsq[j] = list(owner.reply_sumsq)
 
     def _prepare(self) -> None:
@@ -416,7 +408,7 @@ class ReduceRound:
             )
             for msg in msgs:
                 yield msg
-            faults.after_reduce_part()
+            faults.REDUCE_EXIT.on_chunk()
         self._sent.add((j, owner))
 
     async def _exchange(self, j: int, target: int, stub_for: StubFor, verifier: Verifier) -> None:
@@ -434,7 +426,7 @@ class ReduceRound:
                 h = rx.header
                 if rx.sender != pid or h.shard != j or h.part != k or h.round_id != self.group.round_id:
                     raise RoundFailed(f"reply from {pid[:8]} does not match the round", {pid}, "malformed")
-                covers = _mask_members(bytes(h.included_mask), self.n)
+                covers = mask_members(bytes(h.included_mask), self.n)
                 if covers is None or (target not in covers and self.owners[j] == target):
                     raise RoundFailed(f"{pid[:8]} sent a malformed set of included peers", {pid}, "malformed")
                 self.masks[j][k] = covers

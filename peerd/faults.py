@@ -149,10 +149,6 @@ EXCHANGE_EXIT = _ExitAfter(EXCHANGE_EXIT_ENV, "exchange chunks")
 REDUCE_EXIT = _ExitAfter(REDUCE_EXIT_ENV, "reduce parts")
 
 
-def after_reduce_part() -> None:
-    REDUCE_EXIT.on_chunk()
-
-
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

@@ -85,3 +85,10 @@ def included_mask(members: int, included: Iterable[int]) -> bytes:
     for i in included:
         mask[i // 8] |= 1 << (i % 8)
     return bytes(mask)
+
+
+def mask_members(mask: bytes, members: int) -> set[int] | None:
+    """The member indices an included_mask names; None if it is malformed (wrong length, bits past the members)."""
+    if len(mask) != (members + 7) // 8 or (members % 8 and mask[-1] >> (members % 8)):
+        return None
+    return {i for i in range(members) if mask[i // 8] >> (i % 8) & 1}

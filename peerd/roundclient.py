@@ -262,14 +262,14 @@ class RoundClient:
         the round is gone, though the peer's heartbeat keeps advancing, so silence would never show it."""
         if not incarnations or peer_id not in incarnations:
             return False
-        entry = self.d.membership.entries.get(peer_id)
-        return entry is not None and entry.info.incarnation > incarnations[peer_id]
+        info = self.d.membership.get(peer_id)
+        return info is not None and info.incarnation > incarnations[peer_id]
 
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        entry = self.d.membership.entries.get(peer_id)
-        if entry is not None and entry.info.address == address:
+        info = self.d.membership.get(peer_id)
+        if info is not None and info.address == address:
             self.d.membership.mark_unreachable(peer_id)
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:

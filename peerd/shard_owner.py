@@ -4,8 +4,8 @@ as soon as every contributor's part k is in, and the same averaged bytes go back
 A contributor that leaves the round (its stream broke off, or the round saw it lost) is dropped rather than waited
 for: the parts not averaged yet average the others, and every averaged part names whom it covers in its signed header
 (`included_mask`). Every member decodes the same bytes with the same masks, so members still end bit-identical and
-agree on whom the round included. The same class serves a dead owner's shard on its fallback owner (`fallback_for`):
-see allreduce.py for how members pick that peer.
+agree on whom the round included. The same class serves a dead owner's shard on its fallback owner, with the dead
+owner left out of `contributors`: see allreduce.py for how members pick that peer.
 """
 
 from __future__ import annotations
@@ -69,13 +69,11 @@ class ShardOwner:
         shard: int,
         parts: list[tuple[int, int]],
         contributors: set[int],
-        fallback_for: str = "",
     ) -> None:
         loop = asyncio.get_running_loop()
         self.ctx = ctx
         self.shard = shard
         self.parts = parts
-        self.fallback_for = fallback_for  # the dead owner whose shard this is, "" for our own
         n, n_parts = len(ctx.ids), len(parts)
         self.n = n
         self.expected = set(contributors)  # member indices this shard waits for
@@ -138,7 +136,7 @@ class ShardOwner:
 
     def accept(self, index: int, part: int, decoded: torch.Tensor, sumsq: float, private: bool = True) -> None:
         """Take one member's decoded part; the last awaited contributor's part k starts averaging part k."""
-        if self.reduced.done() or index not in self.waiting_for:  # aborted, or it was dropped: keep nothing more
+        if self.reduced.done() or index not in self.expected or index in self.dropped:  # aborted, or dropped
             return
         if self.got[index] != part:
             raise StreamError("duplicate", f"{self.ctx.ids[index][:8]} sent part {part} out of order")

@@ -101,7 +101,7 @@ def test_a_weighted_subset_keeps_the_token_weighted_mean() -> None:
 def test_a_shard_taken_over_waits_only_for_its_contributors() -> None:
     async def main() -> None:
         owner, result, _ = _owner(4)
-        owner = ShardOwner(owner.ctx, 1, PARTS, {0, 2}, fallback_for=owner.ctx.ids[1])  # member 3 was seen lost
+        owner = ShardOwner(owner.ctx, 1, PARTS, {0, 2})  # owner 1 died, member 3 was seen lost
         for k, (lo, hi) in enumerate(PARTS):
             _give(owner, 0, k, torch.full((hi - lo,), 1.0))
             _give(owner, 1, k, torch.full((hi - lo,), 50.0))  # the dead owner's own: ignored
