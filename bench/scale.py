@@ -11,10 +11,11 @@ Per swarm size, over a measurement window that starts once every peer is up:
   lost a member mid-round and completed without it (allreduce.py); and failed attempts summed over every peer's log
   (a member whose own attempt failed downloads the swarm's state instead);
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
-- round B/peer: reduce-scatter and all-gather bytes each peer sends per completed round;
+- round B/peer: reduce-scatter and all-gather payload bytes each peer sends per completed round, on the wire (after
+  the codec and zstd) and before the codec (4 bytes per value: what the round design sends, whatever the data);
 - detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
-  data dir); the seconds from each kill until each other peer logs the peer as lost (median and max), against
-  `network.peer_timeout`.
+  data dir); the seconds from each kill until each other peer logs the peer as lost, or logs that a new process took
+  its id (median and max over every observer that logged either), against `network.peer_timeout`.
 
 Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
 times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
@@ -39,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/(\d+) \|", re.M)
-LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) lost: ")
+# an observer has detected a kill once it logs the peer lost, or logs that a new process took the peer's id (the
+# restarted peer's gossip can reach it before the old process's silence or a failed dial does)
+LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) (?:lost: |restarted: )")
 # a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
 FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: (?:round for step \d+ \(attempt \d+\)|outer step \d+) failed")
 SURVIVED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ survived the loss of")
@@ -79,10 +82,11 @@ def _scrape(url: str) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://{url}/metrics", timeout=3).read().decode()
         for line in text.splitlines():
             m = re.match(r"^(peerd_sent_(?:bytes|messages)_total|peerd_rounds_total)\{(.*)\} (\S+)$", line)
-            if m and 'form="raw"' not in m[2]:
-                kind = re.search(r'(?:kind|outcome)="(\w+)"', m[2])
-                if kind:
-                    out[f"{m[1]}:{kind[1]}"] = out.get(f"{m[1]}:{kind[1]}", 0.0) + float(m[3])
+            kind = re.search(r'(?:kind|outcome)="(\w+)"', m[2]) if m else None
+            if m and kind:
+                # wire bytes by default; the raw form (4 bytes per value before the codec and zstd) gets its own key
+                key = f"{m[1]}:{kind[1]}" + (":raw" if 'form="raw"' in m[2] else "")
+                out[key] = out.get(key, 0.0) + float(m[3])
     return out
 
 
@@ -167,11 +171,9 @@ def _report(
     all_m = [sum(v for k, v in d.items() if k.startswith("peerd_sent_messages_total:")) / window for d in per_peer]
     # each peer's own round bytes over its own completed rounds (both counted when a round completes, so a round in
     # flight at either end of the window cannot skew the ratio)
-    round_b = [
-        d.get("peerd_sent_bytes_total:reduce", 0.0) / n_rounds
-        for d in per_peer
-        if (n_rounds := sum(d.get(f"peerd_rounds_total:{o}", 0.0) for o in ("complete", "partial"))) > 0
-    ]
+    done = [(d, sum(d.get(f"peerd_rounds_total:{o}", 0.0) for o in ("complete", "partial"))) for d in per_peer]
+    round_b = [d.get("peerd_sent_bytes_total:reduce", 0.0) / k for d, k in done if k > 0]
+    round_raw = [d.get("peerd_sent_bytes_total:reduce:raw", 0.0) / k for d, k in done if k > 0]
     detect: list[float] = []
     for k, (at, pid) in enumerate(kills):
         if not pid:
@@ -201,9 +203,11 @@ def _report(
         "all_Bps": round(statistics.median(all_b)) if all_b else None,
         "all_msgps": round(statistics.median(all_m), 2) if all_m else None,
         "round_B_per_peer": round(statistics.median(round_b)) if round_b else None,
+        "round_raw_B_per_peer": round(statistics.median(round_raw)) if round_raw else None,
         "kills": len(kills),
         "detect_s_median": round(statistics.median(detect), 2) if detect else None,
         "detect_s_max": round(max(detect), 2) if detect else None,
+        "detections": len(detect),
         "peer_timeout": PEER_TIMEOUT,
     }
 
@@ -234,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"gossip {row['gossip_Bps']} B/s "
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "
-                f"round {row['round_B_per_peer']} B/peer, kills {row['kills']}, "
-                f"detect {row['detect_s_median']}/{row['detect_s_max']} s (timeout {row['peer_timeout']})",
+                f"round {row['round_B_per_peer']} B/peer ({row['round_raw_B_per_peer']} before the codec), "
+                f"kills {row['kills']}, detect {row['detect_s_median']}/{row['detect_s_max']} s over "
+                f"{row['detections']} observations (timeout {row['peer_timeout']})",
                 flush=True,
             )
 

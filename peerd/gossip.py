@@ -192,10 +192,14 @@ class Gossip:
             log.debug("cannot write %s: %s", peercache.FILE, exc)
 
     def _note_lost(self, alive: tuple[pb.PeerInfo, ...]) -> None:
-        """Say once when a live peer drops out of the table (silent for peer_timeout, or a failed dial): operators
-        and bench.scale read failure detection from this line."""
+        """Say once when a live peer drops out of the table (silent for peer_timeout, or a failed dial), or when a new
+        incarnation replaces one we still thought live: operators and bench.scale read failure detection from these
+        lines."""
         now_ids = {p.peer_id for p in alive}
         m = self.d.membership
+        for pid, _old, _new in m.drain_restarts():
+            if pid in self._alive_ids:  # its old process was never seen lost: the new incarnation is how we learn
+                log.warning("peer %s restarted: a new process took its id, and the one we knew is gone", pid[:8])
         for pid in self._alive_ids - now_ids:
             info = m.get(pid)
             if info is None or info.left or info.finished or m.excluded(pid):

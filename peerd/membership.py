@@ -85,6 +85,9 @@ class Membership:
         self._signed_body = b""
         self.entries: dict[str, Entry] = {}
         self.forged = 0  # entries refused because their signature does not check out
+        # (peer id, old incarnation, new incarnation) for each restart gossip revealed since the last drain: the old
+        # process is gone, though the peer id never stopped being live (gossip.py says so, and counts it as detected)
+        self.restarts: list[tuple[str, int, int]] = []
         # Peers we refuse to count as live although their heartbeat advances: banned by us, or reported banned by a
         # majority of the swarm (peerd/robust.py). Set by the daemon.
         self.excluded: Callable[[str], bool] = lambda peer_id: False
@@ -130,10 +133,17 @@ class Membership:
             else:
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
+                if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
+                    self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 cur.info = copy_peer(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
         return new
+
+    def drain_restarts(self) -> list[tuple[str, int, int]]:
+        """The restarts seen since the last call (bounded by MAX_PEERS between drains)."""
+        out, self.restarts = self.restarts, []
+        return out
 
     def _evict_one(self) -> bool:
         """Make room by dropping the longest-dead entry (the table is full of live peers otherwise)."""

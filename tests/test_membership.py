@@ -41,6 +41,20 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
     assert m.merge([forged, _info(b"m" * 32, 99)], now=3.0) == []
 
 
+def test_a_new_incarnation_is_recorded_as_a_restart_once() -> None:
+    """A peer restarted on its key keeps its id live; the new incarnation is the only sign its old process died."""
+    m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+    a = b"a" * 32
+    pid = _info(a, 1).peer_id
+    m.merge([_info(a, 7, incarnation=10)], now=0.0)
+    assert m.drain_restarts() == []  # a first sighting is not a restart
+    m.merge([_info(a, 1, incarnation=11)], now=1.0)  # a lower heartbeat, but a newer process
+    m.merge([_info(a, 2, incarnation=11)], now=2.0)  # the same process advancing
+    assert m.drain_restarts() == [(pid, 10, 11)]
+    assert m.drain_restarts() == []
+    assert m.get(pid).incarnation == 11 and len(m.alive(now=2.0)) == 2
+
+
 @pytest.mark.slow
 def test_bounded_gossip_goes_round_robin_and_expiring_entries_are_probed_once() -> None:
     """With gossip_entries = 8 a message carries 8 peers besides ourselves whatever the table size, the least recently
@@ -97,6 +111,26 @@ def test_gossip_leave_and_failure_detection(tmp_path: Path) -> None:
         swarm.wait_until(lambda: all(ids[2] not in x.status().alive for x in p[:2]), 15, "failure detection")
         st = p[1].status()
         assert sorted(st.alive) == sorted([ids[0], ids[1]])
+
+
+def test_a_peer_killed_and_restarted_at_once_is_detected_by_every_other(tmp_path: Path) -> None:
+    """kill -9 and an immediate restart on the same data dir (same id, new process): its new gossip can reach a peer
+    before the old process's silence or a refused dial does, so each survivor logs it lost or restarted, within
+    2 x peer_timeout (bench.scale reads detection from the same two lines), and ends with the new process live."""
+    with Swarm(tmp_path, 3, tiny_config(tmp_path, run__outer_steps=0)) as swarm:
+        p = swarm.peers
+        swarm.wait_until(lambda: all(len(x.status().alive) == 3 for x in p), 60, "full views")
+        pid = p[2].status().peer_id
+        p[2].kill()
+        t0 = time.monotonic()
+        swarm.peers[2] = swarm.spawn(2, swarm.boot_address(0))
+
+        def detected(x) -> bool:
+            return f"peer {pid[:8]} lost: " in x.log() or f"peer {pid[:8]} restarted: " in x.log()
+
+        swarm.wait_until(lambda: all(detected(x) for x in p[:2]), 2 * 3.0 + 2.0, "the kill detected")
+        assert time.monotonic() - t0 <= 2 * 3.0 + 1.0  # tiny_config's peer_timeout is 3 s (+1 s of polling)
+        swarm.wait_until(lambda: all(pid in x.status().alive for x in p[:2]), 30, "the new process live")
 
 
 @pytest.mark.slow
