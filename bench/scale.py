@@ -13,6 +13,8 @@ Per swarm size, over a measurement window that starts once every peer is up:
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
 - round B/peer: reduce-scatter and all-gather payload bytes each peer sends per completed round, on the wire (after
   the codec and zstd) and before the codec (4 bytes per value: what the round design sends, whatever the data);
+- rendezvous B/round: rendezvous bytes each peer sends per completed round, the median peer's and the most any
+  peer sent (the leader: it answers every member with the whole group);
 - detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
   data dir); the seconds from each kill until each other peer logs the peer as lost, or logs that a new process took
   its id (median and max over every observer that logged either), against `network.peer_timeout`.
@@ -174,6 +176,9 @@ def _report(
     done = [(d, sum(d.get(f"peerd_rounds_total:{o}", 0.0) for o in ("complete", "partial"))) for d in per_peer]
     round_b = [d.get("peerd_sent_bytes_total:reduce", 0.0) / k for d, k in done if k > 0]
     round_raw = [d.get("peerd_sent_bytes_total:reduce:raw", 0.0) / k for d, k in done if k > 0]
+    # rendezvous bytes per completed round: the leader's answers (n members each, to n members) against the median
+    # peer's requests, to show whether the leader is a hot spot
+    rdv = [d.get("peerd_sent_bytes_total:rendezvous", 0.0) / k for d, k in done if k > 0]
     detect: list[float] = []
     for k, (at, pid) in enumerate(kills):
         if not pid:
@@ -204,6 +209,8 @@ def _report(
         "all_msgps": round(statistics.median(all_m), 2) if all_m else None,
         "round_B_per_peer": round(statistics.median(round_b)) if round_b else None,
         "round_raw_B_per_peer": round(statistics.median(round_raw)) if round_raw else None,
+        "rendezvous_B_per_round_median": round(statistics.median(rdv)) if rdv else None,
+        "rendezvous_B_per_round_max": round(max(rdv)) if rdv else None,
         "kills": len(kills),
         "detect_s_median": round(statistics.median(detect), 2) if detect else None,
         "detect_s_max": round(max(detect), 2) if detect else None,
@@ -239,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "
                 f"round {row['round_B_per_peer']} B/peer ({row['round_raw_B_per_peer']} before the codec), "
-                f"kills {row['kills']}, detect {row['detect_s_median']}/{row['detect_s_max']} s over "
+                f"rendezvous {row['rendezvous_B_per_round_median']} B/round per peer (max "
+                f"{row['rendezvous_B_per_round_max']}), kills {row['kills']}, "
+                f"detect {row['detect_s_median']}/{row['detect_s_max']} s over "
                 f"{row['detections']} observations (timeout {row['peer_timeout']})",
                 flush=True,
             )

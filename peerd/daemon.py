@@ -233,6 +233,7 @@ class Daemon:
             pair=self,
             cfg=self.cfg,
             barrier=self.start_barrier,
+            count_sent=self.count_sent,
         )
         state_service = StateService(
             checks=checks,

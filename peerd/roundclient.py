@@ -167,6 +167,7 @@ class RoundClient:
                 self.d.identity,
                 self.d.run_id,
             )
+            self.d.count_sent("rendezvous", 0, req.ByteSize())
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
                 resp = await self._unless_silent(call, [target.peer_id])

@@ -176,7 +176,9 @@ class RoundsService(rpc.RoundsServicer):
         pair: PairEndpoint,
         cfg: RunConfig,
         barrier: StartBarrier,
+        count_sent: Callable[[str, int, int], None],
     ) -> None:
+        self.count_sent = count_sent
         self.checks = checks
         self.membership = membership
         self.rounds = rounds
@@ -193,7 +195,9 @@ class RoundsService(rpc.RoundsServicer):
             await self.checks.refuse(
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
-        return await self.rounds.lead_rendezvous(request, info)
+        resp = await self.rounds.lead_rendezvous(request, info)
+        self.count_sent("rendezvous", 0, resp.ByteSize())  # the leader's answers: the group, to every member
+        return resp
 
     async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
         sender = await self.checks.verify(request, "Start", context)

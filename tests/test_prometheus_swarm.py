@@ -84,5 +84,13 @@ def test_every_dashboard_query_returns_data_from_a_real_swarm(tmp_path: Path) ->
             prom.wait_for(
                 'count(peerd_inner_step{job="peerd"} > 0)', lambda r: r and float(r[0]["value"][1]) == 3, left
             )
+            # Every peer counts its rendezvous requests, and the leader its answers on top (bench.scale reads the
+            # leader's share from this series).
+            left = max(5.0, deadline - time.monotonic())
+            rdv = prom.wait_for(
+                'peerd_sent_bytes_total{job="peerd", kind="rendezvous", form="wire"} > 0', lambda r: len(r) == 3, left
+            )
+            sent = sorted(float(r["value"][1]) for r in rdv)
+            assert sent[-1] > sent[0], sent
     finally:
         peers.stop()
