@@ -30,6 +30,7 @@ with a group that leaves the offender out. A round never averages a subset silen
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -53,9 +54,12 @@ from peerd.roundtypes import part_messages, rms, sum_of_squares
 from peerd.roundtypes import relayed_suspects as relayed_suspects
 from peerd.roundtypes import suspects_metadata as suspects_metadata
 from peerd.shard_owner import RoundContext, ShardOwner
-from peerd.streams import StreamError, read_tensor
+from peerd.shard_relay import HeldShard, read_relay, relay_stream
+from peerd.streams import ReceivedTensor, StreamError, read_tensor
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_to_wire, kind_to_wire
+
+log = logging.getLogger("peerd")
 
 BLAME_GRACE_S = 0.5
 FALLBACK_GRACE_S = 10.0
@@ -157,6 +161,13 @@ class ReduceRound:
         self.lost: set[str] = set()  # members seen gone mid-round (refused, reset, silent): their shards move on
         self.left: set[str] = set()  # members whose streams to us broke off (dead, or their round failed)
         self.fallbacks = 0
+        # every shard we received whole, as its sender signed it: relayed to the next in line if that sender is lost
+        # before every member had it (shard_relay.py)
+        self.held: dict[int, HeldShard] = {}
+        self._relayed: set[int] = set()
+        self._tasks: set[asyncio.Future] = set()
+        self._stub_for: StubFor | None = None
+        self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
         self._attempts: dict[int, tuple[str, asyncio.Future]] = {}  # shard -> (owner asked, the exchange)
         self._sent: set[tuple[int, str]] = set()  # (shard, owner) whose every part we handed to grpc
@@ -172,12 +183,49 @@ class ReduceRound:
 
     # -- owner side: the shards we reduce ---------------------------------------------------------------------
     async def serve(
-        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str, shard: int
+        self,
+        messages: AsyncIterator[pb.TensorMessage],
+        verifier: Verifier,
+        sender: str,
+        shard: int,
+        kind: str = "reduce",
     ) -> AsyncIterator[pb.TensorMessage]:
-        """Server side of one Reduce stream for `shard` (the service verified its first header as `sender`'s)."""
+        """Server side of one Reduce stream for `shard` (the service verified its first header as `sender`'s): a
+        contribution, answered with the average, or a lost owner's shard relayed to us (answered with nothing)."""
+        if kind == "relay":
+            await self._adopt_relay(messages, verifier, sender, shard)
+            return
         owner = await self.wait_owner(shard, sender)
         async for msg in owner.serve(messages, verifier, sender):
             yield msg
+
+    async def _adopt_relay(
+        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str, shard: int
+    ) -> None:
+        if sender not in self.ids or not 0 <= shard < self.n_shards:
+            raise StreamError("not_member", f"{sender[:8]} relayed shard {shard} of a round it is not in")
+        known = self.owned.get(shard)
+        if known is not None and known.reduced.done():
+            return  # it reached us already (we held it, or another member relayed it first): skip the copy
+        held = await read_relay(
+            messages, verifier, sender, round_id=self.group.round_id, shard=shard, parts=self.parts[shard],
+            codec=self.codec, n=self.n, sources=self._line_before(shard),
+        )  # fmt: skip
+        owner = await self.wait_owner(shard, held.source)
+        if owner.relayed_from is None and self.average is not None and await owner.adopt(held.frames(), held.source):
+            say = log.debug if self._done else log.info
+            say("shard %d of a lost owner reached us through %s: serving %s's own average", shard, sender[:8],
+                held.source[:8])  # fmt: skip
+
+    def _line_before(self, shard: int) -> list[str]:
+        """Who may have averaged `shard` before us: its owner, then the owners after it in member order up to us."""
+        out = []
+        for step in range(self.n_shards):
+            candidate = self.owners[(shard + step) % self.n_shards]
+            if candidate == self.member:
+                return out
+            out.append(self.ids[candidate])
+        return []  # we own no shard: nothing is ever relayed to us
 
     def owner_for(self, shard: int, sender: str) -> ShardOwner:
         """Our owner side of `shard`: our own, or a lost owner's shard when we are next in line for it."""
@@ -210,6 +258,12 @@ class ReduceRound:
         left = {self.owners[shard]} | {self.ids.index(p) for p in self.lost | self.left}
         owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left)
         self.owned[shard] = owner
+        held = self.held.get(shard)
+        if held is not None and held.source in self._line_before(shard):  # we have its average: serve that
+            owner.adopt_known(held.frames(), self.reply_sumsq[shard], held.source)
+            say = log.debug if self._done else log.info
+            say("taking over shard %d of a lost owner: serving %s's own average, which we hold", shard,
+                held.source[:8])  # fmt: skip
         return owner
 
     def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
@@ -243,6 +297,39 @@ class ReduceRound:
         for target, attempt in self._attempts.values():
             if target == peer_id and not attempt.done():
                 attempt.cancel()
+        self.source_gone(peer_id)
+
+    def source_gone(self, peer_id: str) -> None:
+        """`peer_id` looks gone: relay every shard we hold from it to whoever is next in line for that shard, in case
+        it died before every member had it (shard_relay.py). Harmless when it did not: nobody asks the fallback."""
+        for j, held in self.held.items():
+            if held.source != peer_id or j in self._relayed or self._stub_for is None:
+                continue
+            self._relayed.add(j)
+            nxt = self._next_in_line(j, {peer_id})
+            if nxt is not None and nxt != self.member:  # ourselves: _take_over serves what we hold when asked
+                task = asyncio.ensure_future(self._relay(j, self.group.members[nxt], self._stub_for))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _relay(self, j: int, to: pb.PeerInfo, stub_for: StubFor) -> None:
+        msgs = relay_stream(self.held[j], self.group.round_id, j, self.identity, self.run_id, self.chunk_bytes)
+        call = stub_for(to).Reduce(msgs, timeout=FALLBACK_GRACE_S + 5.0)  # type: ignore[attr-defined]
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as exc:  # it may not need it (every member had the shard): nothing to do
+            log.debug("relaying shard %d to %s: %s", j, to.peer_id[:8], exc.code().name)
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def finished(self) -> None:
+        """The round completed here: drop what only contributing needed; what we hold stays for relays."""
+        self._done = True  # what we serve from now on, every member of ours already had: say so only in debug
+        self.vector = self.vector.new_empty(0)
+        self._decoded = None
 
     def abort(self, exc: BaseException) -> None:
         self._failed = self._failed or exc
@@ -259,6 +346,7 @@ class ReduceRound:
             self._deadline_handle.cancel()
             raise RoundFailed("no reachable peer in the group: nobody can own a shard", set(), "no_reachable")
         t0 = time.perf_counter()
+        self._stub_for = stub_for
         loop = asyncio.get_running_loop()
         tasks: dict[int, asyncio.Future] = {}
         try:
@@ -419,6 +507,7 @@ class ReduceRound:
         call = stub.Reduce(self._send_parts(j, pid), timeout=remaining)  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         chain = b""
+        received: list[ReceivedTensor] = []
         try:
             replies = call.__aiter__()
             for k, (lo, hi) in enumerate(self.parts[j]):
@@ -433,6 +522,7 @@ class ReduceRound:
                 for i in set(range(self.n)) - covers:  # that owner dropped them: they left, so we stop waiting too
                     self.member_left(self.ids[i])  # (our own exchange with one may have ended before it died)
                 chain = rx.digest
+                received.append(rx)
                 self.stats.received_wire_bytes += len(rx.payload)
                 now = time.perf_counter()  # C4-style timing: how late and how fast this owner's average came back
                 start, got = self.ctx.rx.get(f"reply:{pid}", (now, 0))
@@ -446,6 +536,7 @@ class ReduceRound:
                 except CodecError as exc:
                     self.ctx.invalid(pid, "nan" if "NaN" in str(exc) else "malformed")
                     raise RoundFailed(f"{pid[:8]} sent an undecodable average: {exc}", {pid}) from exc
+            self.held[j] = HeldShard(pid, received)
         except StreamError as exc:
             if exc.sender == pid:
                 self.ctx.invalid(pid, exc.reason)

@@ -134,19 +134,45 @@ class _ExitAfter:
         self.exit_after = int(raw) if raw else None
         self.what = what
         self.sent = 0
+        self.claimed = 0
 
     def on_chunk(self) -> None:
         if self.exit_after is None:
             return
         self.sent += 1
         if self.sent >= self.exit_after:
-            logging.getLogger("peerd").error("fault injection: exiting after sending %d %s", self.sent, self.what)
-            logging.shutdown()
-            os._exit(17)
+            self._exit()
+
+    async def claim(self) -> None:
+        """Before sending one more (for streams sent concurrently): once the count is claimed, wait until those were
+        handed over whole (`done`), give grpc's own threads a moment to write them, and exit: the receivers got
+        exactly the count."""
+        if self.exit_after is None:
+            return
+        if self.claimed < self.exit_after:
+            self.claimed += 1
+            return
+        while self.sent < self.claimed:
+            await asyncio.sleep(0.01)
+        time.sleep(0.3)
+        self._exit()
+
+    def done(self) -> None:
+        """One claimed item was handed over whole."""
+        self.sent += 1
+
+    def _exit(self) -> None:
+        logging.getLogger("peerd").error("fault injection: exiting after sending %d %s", self.sent, self.what)
+        logging.shutdown()
+        os._exit(17)
 
 
 EXCHANGE_EXIT = _ExitAfter(EXCHANGE_EXIT_ENV, "exchange chunks")
 REDUCE_EXIT = _ExitAfter(REDUCE_EXIT_ENV, "reduce parts")
+# An owner that exits after handing this many averaged parts to its members' streams: it dies with its shard
+# delivered to some members and not to others (the window allreduce.py closes by relaying the shard).
+GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
+GATHER_EXIT = _ExitAfter(GATHER_EXIT_ENV, "averaged parts")
 
 
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the

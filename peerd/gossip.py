@@ -197,9 +197,8 @@ class Gossip:
         lines."""
         now_ids = {p.peer_id for p in alive}
         m = self.d.membership
-        for pid, _old, _new in m.drain_restarts():
-            if pid in self._alive_ids:  # its old process was never seen lost: the new incarnation is how we learn
-                log.warning("peer %s restarted: a new process took its id, and the one we knew is gone", pid[:8])
+        for pid, _old, _new in m.drain_restarts():  # the old process was never seen lost: this is how we learn
+            log.warning("peer %s restarted: a new process took its id, and the one we knew is gone", pid[:8])
         for pid in self._alive_ids - now_ids:
             info = m.get(pid)
             if info is None or info.left or info.finished or m.excluded(pid):

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("peerd")
 
+LINGER_ROUNDS = 2
+"""Completed rounds that stay registered, holding the averaged shards they received, until their deadline: a member
+that missed a shard whose owner died may need one of them (shard_relay.py)."""
+
 
 class PeerSilent(Exception):
     """A peer a pending call depends on went silent in gossip (a split, or it died): give up on the call now."""
@@ -48,8 +52,9 @@ class RoundClient:
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
-        self.rounds: dict[bytes, Any] = {}  # round id -> its ReduceRound, while in flight
+        self.rounds: dict[bytes, Any] = {}  # round id -> its ReduceRound, while in flight or lingering
         self._round_events: dict[bytes, asyncio.Event] = {}  # streams that arrived before their round: wake them
+        self._lingering: list[asyncio.Task] = []  # rounds' source watchers, oldest first (_watch_sources)
         self.self_evidence = ""  # why this peer itself looks slow in its last round (for the one-line diagnosis)
         # Peers that may not lead: the flagged members of our last completed round (its group's no_shards). Every
         # member of that round got the same group, so all of them agree on the next step's leader; switching on
@@ -258,6 +263,30 @@ class RoundClient:
                 with contextlib.suppress(BaseException):
                     await task
 
+    def _watch_sources(self, round_id: bytes, rnd: ReduceRound, incarnations: dict[str, int]) -> asyncio.Task:
+        """For the round and a while after it completed here: when a peer that sent us a whole shard looks gone (not
+        live in gossip, or restarted), relay that shard to the next in line (shard_relay.py). Then unregister the
+        round. At most LINGER_ROUNDS completed rounds linger, so fast swarms do not pile up held shards."""
+        net = self.d.cfg.network
+
+        async def watch() -> None:
+            try:  # past the round's deadline every fallback gave up: nobody can ask
+                while time.monotonic() < rnd.deadline and not rnd.failed:
+                    await asyncio.sleep(net.gossip_interval)
+                    for pid in {h.source for h in rnd.held.values()}:
+                        if not self.d.membership.is_alive(pid) or self._restarted(pid, incarnations):
+                            rnd.source_gone(pid)
+            finally:
+                if self.rounds.get(round_id) is rnd and not rnd.failed:  # a failed one answers its abort until
+                    self.rounds.pop(round_id, None)  # round_timeout (register_round)
+
+        task = asyncio.ensure_future(watch())
+        self._lingering.append(task)
+        self._lingering = [t for t in self._lingering if not t.done()]
+        while len(self._lingering) > LINGER_ROUNDS:
+            self._lingering.pop(0).cancel()
+        return task
+
     def _restarted(self, peer_id: str, incarnations: dict[str, int] | None) -> bool:
         """Whether `peer_id` restarted since the group formed (a newer incarnation announces itself): the process in
         the round is gone, though the peer's heartbeat keeps advancing, so silence would never show it."""
@@ -335,6 +364,8 @@ class RoundClient:
                 on_unreachable=self._unreachable_at,
             )
             self.register_round(group.round_id, rnd)
+            incarnations = {m.peer_id: m.incarnation for m in group.members}
+            watch = self._watch_sources(group.round_id, rnd, incarnations)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
             # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
             try:
@@ -342,9 +373,10 @@ class RoundClient:
                     rnd.run(self.stub_for, self.d.verifier),
                     [m.peer_id for m in group.members],
                     rnd.member_lost,  # the round goes on without it (allreduce.py)
-                    {m.peer_id: m.incarnation for m in group.members},
+                    incarnations,
                 )
             except RoundFailed as exc:
+                watch.cancel()
                 failed_round = bytes(group.round_id)
                 self.d.status.rounds_failed += 1
                 if self.d.metrics is not None:
@@ -371,10 +403,9 @@ class RoundClient:
                 )  # fmt: skip
             if weight != 1.0 and result.sent_decoded is not None:
                 result.sent_decoded.div_(weight)  # error feedback works in the unscaled units of `vector`
-            # Done: every contribution to our shard arrived and every reply left, so nothing will look the round up
-            # again; keeping it (and its tensors) for the whole round_timeout held hundreds of MB in fast swarms.
-            assert self.d.loop is not None
-            self.d.loop.call_later(1.0, self.rounds.pop, group.round_id, None)
+            # Done here: it stays registered while `watch` lingers (a lost owner's shard we hold may be asked for:
+            # shard_relay.py), holding the averaged shards we received and nothing else (not `vector`).
+            rnd.finished()
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, list(result.included))  # not those that left mid-round
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)

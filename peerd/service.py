@@ -29,6 +29,7 @@ from peerd.statesync import check_ranges, state_messages
 from peerd.streams import StreamError, prepend, verify_header
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
+from peerd.wire import kind_name
 
 if TYPE_CHECKING:
     from peerd.checks import RequestChecks
@@ -230,7 +231,10 @@ class RoundsService(rpc.RoundsServicer):
                 rnd = await self.rounds.wait_round(first.header.round_id)
                 if rnd is None:
                     raise StreamError("unknown_round", "Reduce: no such round here")
-                async for msg in rnd.serve(prepend(first, it), self.checks.verifier, sender, first.header.shard):
+                h = first.header
+                async for msg in rnd.serve(
+                    prepend(first, it), self.checks.verifier, sender, h.shard, kind_name(h.kind)
+                ):
                     yield msg
         except StopAsyncIteration:
             await self.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Reduce: empty stream")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peerd import faults
 from peerd.codecs import Codec, CodecError
 from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
@@ -83,11 +84,14 @@ class ShardOwner:
         self.private: list[list[bool]] = [[True] * n for _ in range(n_parts)]
         self.got = [0] * n  # parts received from each member
         self.sumsq: list[list[float]] = [[0.0] * n_parts for _ in range(n)]  # per member, per part
-        self.frames: list[asyncio.Future[tuple[SealedFrame, bytes]]] = [loop.create_future() for _ in parts]
+        self.frames: list[asyncio.Future[tuple[SealedFrame | bytes | bytearray, bytes]]] = [
+            loop.create_future() for _ in parts
+        ]
         self.reply_sumsq = [0.0] * n_parts  # the averaged parts' squares (for the members' reply screening)
         self.screened: asyncio.Future[None] = loop.create_future()  # every whole contribution passed the guard
         self.reduced: asyncio.Future[None] = loop.create_future()  # every part averaged and screened
         self._started: set[int] = set()  # parts whose averaging began
+        self.relayed_from: str | None = None  # the lost owner whose own average we serve instead (shard_relay.py)
         self._left = n_parts  # parts not averaged yet
         self._tasks: set[asyncio.Future] = set()
 
@@ -162,12 +166,18 @@ class ShardOwner:
         self._check_whole()
 
     def _start_if_complete(self, k: int) -> None:
+        if self.relayed_from is not None:
+            return
         if k not in self._started and all(self.contrib[k][i] is not None for i in self.waiting_for):
             self._started.add(k)
             self._spawn(self._reduce_part(k, None))
 
     def _check_whole(self) -> None:
-        if self.screened.done() or any(self.got[i] < len(self.parts) for i in self.waiting_for):
+        if (
+            self.relayed_from is not None
+            or self.screened.done()
+            or any(self.got[i] < len(self.parts) for i in self.waiting_for)
+        ):
             return
         self._screen()
         if self.whole_first and self.screened.done() and not self.screened.exception():
@@ -245,6 +255,42 @@ class ShardOwner:
         ctx.place(self.parts[k], own)
         return encoded, sum_of_squares(own), included_mask(self.n, idx)
 
+    # -- a lost owner's average instead of ours (shard_relay.py) ---------------------------------------------------
+    def can_adopt(self) -> bool:
+        return not self._started and not self.reduced.done()
+
+    async def adopt(self, frames: list[tuple[bytes | bytearray, bytes]], source: str) -> bool:
+        """Serve `source`'s averaged parts (payload, mask) instead of averaging ourselves: decode them into our
+        result like any reply (a frame that does not decode is refused), then resolve. False: too late, our own
+        averaging began (it only can once every member we wait for contributed, so nobody holds the relayed one)."""
+        if not self.can_adopt():
+            return False
+        self.relayed_from = source  # no part starts averaging from now on
+        loop = asyncio.get_running_loop()
+        sums = []
+        for (lo, hi), (payload, _) in zip(self.parts, frames, strict=True):
+            try:
+                decoded = await loop.run_in_executor(self.ctx.executor, self.ctx.codec.decode, payload, hi - lo)
+            except CodecError as exc:
+                raise StreamError("malformed", f"a relayed part of {source[:8]}'s does not decode: {exc}") from exc
+            self.ctx.place((lo, hi), decoded)
+            sums.append(sum_of_squares(decoded))
+        self.adopt_known(frames, sums, source)
+        return True
+
+    def adopt_known(self, frames: list[tuple[bytes | bytearray, bytes]], sumsq: list[float], source: str) -> None:
+        """`adopt` for parts already decoded into our result (we received them as a member)."""
+        if self.reduced.done():
+            return
+        self.relayed_from = source
+        for k, (payload, mask) in enumerate(frames):
+            if not self.frames[k].done():
+                self.frames[k].set_result((payload, mask))
+            self.reply_sumsq[k] = sumsq[k]
+        if not self.screened.done():
+            self.screened.set_result(None)
+        self.reduced.set_result(None)
+
     def abort(self, exc: BaseException) -> None:
         for fut in (*self.frames, self.screened, self.reduced):
             if not fut.done():
@@ -280,9 +326,11 @@ class ShardOwner:
                     included_mask=mask,
                     kind=kind_to_wire("gather"),
                 )
+                await faults.GATHER_EXIT.claim()
                 msgs, chain = part_messages(header, frame, ctx.identity, ctx.run_id, ctx.chunk_bytes, chain, ctx.stats)
                 for msg in msgs:
                     yield msg
+                faults.GATHER_EXIT.done()
             await reader  # done by now (our last part needed all of its parts); raises what it raised
         except asyncio.CancelledError:
             broke = True  # the member cancelled the call, or its process died

@@ -38,6 +38,17 @@ class ReceivedTensor:
     header: pb.TensorHeader
     payload: bytearray
     digest: bytes = b""  # the signed digest: the next tensor's `chain` on a stream that carries several
+    signature: bytes = b""  # the sender's signature over `digest`: with the header, a third party can relay it
+
+
+def relayed_messages(rx: ReceivedTensor, chunk_bytes: int = MAX_CHUNK) -> Iterator[pb.TensorMessage]:
+    """`rx` as its sender signed it, for another peer to check against the sender's key: its header, its payload in
+    chunks (the digest does not depend on how the payload is cut) and its trailer."""
+    yield pb.TensorMessage(header=rx.header)
+    view = memoryview(rx.payload)
+    for i in range(0, len(view), chunk_bytes):
+        yield pb.TensorMessage(chunk=bytes(view[i : i + chunk_bytes]))
+    yield pb.TensorMessage(trailer=pb.TensorTrailer(digest=rx.digest, signature=rx.signature))
 
 
 def tensor_messages(
@@ -128,7 +139,7 @@ async def _read_body(
     digest = h.digest()
     if msg.trailer.digest != digest or not verify(header.auth.public_key, msg.trailer.signature, digest):
         raise StreamError("bad_signature", "tensor payload does not match the sender's signed digest")
-    return ReceivedTensor(sender, header, buf, digest)
+    return ReceivedTensor(sender, header, buf, digest, bytes(msg.trailer.signature))
 
 
 def _digest_start(chain: bytes, header: pb.TensorHeader) -> hashlib._Hash:

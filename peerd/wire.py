@@ -14,6 +14,7 @@ _KINDS = {
     "phi": pb.TENSOR_KIND_PHI,
     "pair": pb.TENSOR_KIND_PAIR,
     "mix": pb.TENSOR_KIND_MIX,
+    "relay": pb.TENSOR_KIND_RELAY,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 

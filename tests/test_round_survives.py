@@ -16,6 +16,7 @@ from tests.test_swarm_diloco import assert_identical_globals
 pytestmark = pytest.mark.slow
 
 EXIT_ENV = "PEERD_FAULT_REDUCE_EXIT_AFTER_PARTS"
+GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
 
 
 @pytest.mark.parametrize(
@@ -59,3 +60,38 @@ def test_a_member_dies_mid_round_and_the_round_completes_without_it(tmp_path: Pa
         assert first["partial"] and len(first["expected"]) == n and len(first["included"]) == n - 1, first
         full = [r for r in s["rounds"] if r["step"] < died_in]
         assert full and all(len(r["included"]) == n for r in full), s["rounds"]
+
+
+def test_an_owner_that_dies_while_sending_its_shard_leaves_one_model(tmp_path: Path) -> None:
+    """The window survivable rounds left open: an owner dies after its averaged shard reached one member and before
+    it reached the others (PEERD_FAULT_GATHER_EXIT_AFTER_PARTS). The member that has it must not complete with the
+    dead owner's average while the others complete with a fallback's (a fork), nor leave the fallback waiting for it
+    until the round times out. It relays the dead owner's signed parts to the next in line (or serves them, if it is
+    next in line itself), so every survivor applies the same shard: one round, no failed attempt, bit-identical."""
+    n = 4
+    ids_in_order(tmp_path, n)
+    cfg = tiny_config(tmp_path, run__outer_steps=4)
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            # one part per shard, n-1 members per owner: its first round's 3 replies, then one reply in the second
+            env = {GATHER_EXIT_ENV: str(n - 1 + 1)} if i == n - 1 else None
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
+        victim = swarm.peers[-1]
+        survivors = swarm.peers[: n - 1]
+        assert victim.wait(120) == 17, victim.log_tail()
+        swarm.wait_exit(180, survivors)
+    finally:
+        swarm.stop()
+    assert "fault injection: exiting after sending 4 averaged parts" in victim.log()
+    assert_identical_globals([p.data_dir for p in survivors])
+    logs = [p.log() for p in survivors]
+    # the dead owner's shard went on as its own average: relayed to the fallback, or served by a fallback holding it
+    assert any("own average" in log for log in logs), [p.log_tail() for p in survivors]
+    for p in survivors:
+        s = p.summary()
+        assert s["outer_step"] == 4, p.log_tail()
+        assert s["rounds_failed"] == 0, p.log_tail()
+        partial = [r for r in s["rounds"] if len(r["included"]) < n]
+        assert partial and len(partial[0]["included"]) == n - 1, s["rounds"]

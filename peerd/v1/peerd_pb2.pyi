@@ -26,6 +26,7 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_PHI: _ClassVar[TensorKind]
     TENSOR_KIND_PAIR: _ClassVar[TensorKind]
     TENSOR_KIND_MIX: _ClassVar[TensorKind]
+    TENSOR_KIND_RELAY: _ClassVar[TensorKind]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
@@ -40,6 +41,7 @@ TENSOR_KIND_GATHER: TensorKind
 TENSOR_KIND_PHI: TensorKind
 TENSOR_KIND_PAIR: TensorKind
 TENSOR_KIND_MIX: TensorKind
+TENSOR_KIND_RELAY: TensorKind
 
 class Auth(_message.Message):
     __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
