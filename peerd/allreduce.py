@@ -21,6 +21,9 @@ succeeds with probability (1-p)^n: 0.53 at 64 peers and 1 %). The round goes on 
   fallback owner), which reduces it over the members still in the round. A fallback refuses a shard it is not next
   in line for, and waits for every member it has not seen lost, so members whose views differ fail the round (and
   retry) rather than split it.
+- an owner that dies after some members got its whole shard and before others did: those that have it relay its own
+  signed parts to the fallback, which serves them instead of averaging anew (shard_relay.py), so the round does not
+  end with two versions of the shard.
 Every member decodes the same bytes with the same masks, so members stay bit-identical and agree on whom the round
 included (the intersection of the masks); a round that lost someone is partial, and says so. Bad data still fails the
 round on every member (owners abort the streams they serve, naming whom they blame), and the caller retries the step
@@ -167,6 +170,7 @@ class ReduceRound:
         self._relayed: set[int] = set()
         self._tasks: set[asyncio.Future] = set()
         self._stub_for: StubFor | None = None
+        self._said: set[int] = set()  # shards whose relayed average we said we serve
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
         self._attempts: dict[int, tuple[str, asyncio.Future]] = {}  # shard -> (owner asked, the exchange)
@@ -196,6 +200,8 @@ class ReduceRound:
             await self._adopt_relay(messages, verifier, sender, shard)
             return
         owner = await self.wait_owner(shard, sender)
+        if owner.relayed_from is not None:
+            self._say_relayed(shard, owner.relayed_from)
         async for msg in owner.serve(messages, verifier, sender):
             yield msg
 
@@ -213,9 +219,15 @@ class ReduceRound:
         )  # fmt: skip
         owner = await self.wait_owner(shard, held.source)
         if owner.relayed_from is None and self.average is not None and await owner.adopt(held.frames(), held.source):
-            say = log.debug if self._done else log.info
-            say("shard %d of a lost owner reached us through %s: serving %s's own average", shard, sender[:8],
-                held.source[:8])  # fmt: skip
+            log.debug("shard %d of a lost owner reached us through %s", shard, sender[:8])
+            if not self._done:  # members of this round wait for it (after completion: only if one asks)
+                self._say_relayed(shard, held.source)
+
+    def _say_relayed(self, shard: int, source: str) -> None:
+        if shard not in self._said:  # once per shard: every member that missed it comes here
+            self._said.add(shard)
+            log.info("shard %d of a lost owner: serving %s's own average to the members that missed it", shard,
+                     source[:8])  # fmt: skip
 
     def _line_before(self, shard: int) -> list[str]:
         """Who may have averaged `shard` before us: its owner, then the owners after it in member order up to us."""
@@ -261,9 +273,8 @@ class ReduceRound:
         held = self.held.get(shard)
         if held is not None and held.source in self._line_before(shard):  # we have its average: serve that
             owner.adopt_known(held.frames(), self.reply_sumsq[shard], held.source)
-            say = log.debug if self._done else log.info
-            say("taking over shard %d of a lost owner: serving %s's own average, which we hold", shard,
-                held.source[:8])  # fmt: skip
+            if not self._done:
+                self._say_relayed(shard, held.source)
         return owner
 
     def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
@@ -327,7 +338,7 @@ class ReduceRound:
 
     def finished(self) -> None:
         """The round completed here: drop what only contributing needed; what we hold stays for relays."""
-        self._done = True  # what we serve from now on, every member of ours already had: say so only in debug
+        self._done = True
         self.vector = self.vector.new_empty(0)
         self._decoded = None
 

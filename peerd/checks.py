@@ -146,5 +146,5 @@ class RequestChecks:
                 self.security.ban_seconds,
                 self.security.ban_after,
             )
-            self.membership.mark_unreachable(peer_id)
+            self.membership.mark_unreachable(peer_id, why="banned")
             self.refresh_suspects()

@@ -204,7 +204,12 @@ class Gossip:
             if info is None or info.left or info.finished or m.excluded(pid):
                 continue  # a leave, a finished run or a ban says so itself
             silent = m.silent_for(pid)
-            why = f"silent for {silent:.1f}s" if silent >= m.peer_timeout else "unreachable"
+            cause = m.unreachable_why(pid)
+            why = (
+                f"silent for {silent:.1f}s"
+                if silent >= m.peer_timeout
+                else "unreachable" + (f" ({cause})" if cause else "")
+            )
             log.warning("peer %s lost: %s (network.peer_timeout %.1fs)", pid[:8], why, m.peer_timeout)
         self._alive_ids = now_ids
 
@@ -270,7 +275,7 @@ class Gossip:
                 or self.d.membership.silent_for(peer.peer_id) >= timeout
             )
             if mark and exc.code() in UNREACHABLE and down:
-                self.d.membership.mark_unreachable(peer.peer_id)
+                self.d.membership.mark_unreachable(peer.peer_id, why=f"gossip {exc.code().name}")
             self.d.count_sent("gossip", 0, req.ByteSize())
             return False
         self.d.count_sent("gossip", 0, req.ByteSize())

@@ -54,6 +54,7 @@ class Entry:
     step_hint: int = -1  # outer step we know it finished (it was in our round), ahead of its gossip
     last_sent: float = 0.0  # when we last put it in a gossip message (bounded messages go round-robin)
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
+    unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
 
 
 @dataclass(frozen=True)
@@ -154,12 +155,18 @@ class Membership:
         del self.entries[min(dead)[1]]
         return True
 
-    def mark_unreachable(self, peer_id: str, now: float | None = None) -> None:
-        """We could not dial this peer: treat it as dead until its heartbeat advances again."""
+    def mark_unreachable(self, peer_id: str, now: float | None = None, why: str = "") -> None:
+        """We could not dial this peer: treat it as dead until its heartbeat advances again. `why` says what failed
+        (the "lost" line carries it)."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
         if entry is not None:
             entry.unreachable_until = now + self.peer_timeout
+            entry.unreachable_why = why
+
+    def unreachable_why(self, peer_id: str) -> str:
+        entry = self.entries.get(peer_id)
+        return entry.unreachable_why if entry is not None else ""
 
     def mark_left(self, info: pb.PeerInfo, now: float | None = None) -> None:
         """A signed Leave: keep the peer's own signed leaving entry as a tombstone so gossip spreads the leave and

@@ -188,7 +188,7 @@ class RoundClient:
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
                 gone.add(target.peer_id)
-                self.d.membership.mark_unreachable(target.peer_id)
+                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}")
                 target = None
                 continue
             if resp.WhichOneof("result") == "redirect":
@@ -300,7 +300,7 @@ class RoundClient:
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
         info = self.d.membership.get(peer_id)
         if info is not None and info.address == address:
-            self.d.membership.mark_unreachable(peer_id)
+            self.d.membership.mark_unreachable(peer_id, why="round dial failed")
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
@@ -337,6 +337,13 @@ class RoundClient:
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
+            mine = next((m for m in group.members if m.peer_id == self.d.identity.peer_id), None)
+            if mine is not None and mine.incarnation != self.d.me.incarnation:
+                # The leader still knew our previous process (we restarted while its round ran) and handed us that
+                # round: our parts would arrive twice at its owners and abort it for everyone (seen at 64 peers).
+                log.warning("step %d: the leader's round is our previous process's (this peer restarted during it); "
+                            "downloading the swarm's state instead", step)  # fmt: skip
+                raise Behind(step + 1)
             rendezvous_s = time.perf_counter() - t_rv
             weight = member_weight(group, self.d.identity.peer_id)
             try:
@@ -390,7 +397,7 @@ class RoundClient:
                     avoid |= exc.suspects - {self.d.identity.peer_id}
                     self.d.timing.local.failed(exc.suspects)
                     for s in exc.suspects:
-                        self.d.membership.mark_unreachable(s)
+                        self.d.membership.mark_unreachable(s, why=f"failed round: {exc.reason}")
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
