@@ -44,7 +44,9 @@ from typing import Any
 LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/(\d+) \|", re.M)
 # an observer has detected a kill once it logs the peer lost, or logs that a new process took the peer's id (the
 # restarted peer's gossip can reach it before the old process's silence or a failed dial does)
-LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) (?:lost: |restarted: )")
+LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) (lost|restarted): ")
+SERVING = re.compile(r"INFO peerd: peer (\w{8}) serving run ")
+BACK = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) (?:is live again|at \S+ answers again|joined from)")
 # a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
 FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: (?:round for step \d+ \(attempt \d+\)|outer step \d+) failed")
 SURVIVED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ survived the loss of")
@@ -180,17 +182,32 @@ def _report(
     # peer's requests, to show whether the leader is a hot spot
     rdv = [d.get("peerd_sent_bytes_total:rendezvous", 0.0) / k for d, k in done if k > 0]
     detect: list[float] = []
+    missed = 0
+    ids = {i: set(SERVING.findall(log)) for i, log in logs.items()}  # each log's own peer id
     for k, (at, pid) in enumerate(kills):
         if not pid:
             continue
         # a line belongs to this kill only until the same peer is killed again (it was restarted in between)
         until = next((t for t, p in kills[k + 1 :] if p == pid), at + 60)
-        for log in logs.values():
+        end = min(until, t1)
+        for i, log in logs.items():
+            if pid in ids.get(i, ()):
+                continue  # the victim's own log
+            live = True  # whether this observer counted the peer live when it was killed (its own lines say)
+            seen = False
             for line in log.splitlines():
                 m = LOST.match(line)
-                if m and m[2] == pid and at <= _ts(m[1]) < min(until, t1):  # not in the teardown after the window
-                    detect.append(_ts(m[1]) - at)
+                if m and m[2] == pid and _ts(m[1]) < at:
+                    live = m[3] == "restarted"  # a new process of it is live; "lost": counted out
+                elif (b := BACK.match(line)) and b[2] == pid and _ts(b[1]) < at:
+                    live = True
+                elif m and m[2] == pid and at <= _ts(m[1]) < end:  # not in the teardown after the window
+                    if live:  # one that had already counted it out (a false loss before) had nothing to detect
+                        detect.append(_ts(m[1]) - at)
+                    seen = True
                     break
+            if live and not seen and end - at >= 2 * PEER_TIMEOUT:
+                missed += 1  # it counted the peer live, and said nothing for twice the timeout
     rounds = len(steps)
     return {
         "peers": n,
@@ -215,6 +232,7 @@ def _report(
         "detect_s_median": round(statistics.median(detect), 2) if detect else None,
         "detect_s_max": round(max(detect), 2) if detect else None,
         "detections": len(detect),
+        "detect_missed": missed,
         "peer_timeout": PEER_TIMEOUT,
     }
 
@@ -249,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"rendezvous {row['rendezvous_B_per_round_median']} B/round per peer (max "
                 f"{row['rendezvous_B_per_round_max']}), kills {row['kills']}, "
                 f"detect {row['detect_s_median']}/{row['detect_s_max']} s over "
-                f"{row['detections']} observations (timeout {row['peer_timeout']})",
+                f"{row['detections']} observations, {row['detect_missed']} observers silent past 2x the timeout "
+                f"(timeout {row['peer_timeout']})",
                 flush=True,
             )
 

@@ -41,6 +41,7 @@ class Gossip:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self._alive_ids: set[str] = set()  # live peers at the last gossip tick (for the "lost" line)
+        self._said_lost: set[str] = set()  # peers we logged lost and not yet live again
         self._remembered: tuple[tuple[str, str], ...] = ()  # what peercache holds now
         net = daemon.cfg.network
         self.redialer = Redialer(
@@ -197,8 +198,14 @@ class Gossip:
         lines."""
         now_ids = {p.peer_id for p in alive}
         m = self.d.membership
-        for pid, _old, _new in m.drain_restarts():  # the old process was never seen lost: this is how we learn
-            log.warning("peer %s restarted: a new process took its id, and the one we knew is gone", pid[:8])
+        for pid, _old, _new in m.drain_restarts():
+            if pid not in self._said_lost:  # we never said the old process was lost (it may have died and come back
+                # between two of our ticks, unseen): this is how we learn it died
+                log.warning("peer %s restarted: a new process took its id, and the one we knew is gone", pid[:8])
+        for pid in now_ids - self._alive_ids:
+            if pid in self._said_lost:  # its heartbeat advanced again (a new process, or the old one was not dead)
+                self._said_lost.discard(pid)
+                log.info("peer %s is live again", pid[:8])
         for pid in self._alive_ids - now_ids:
             info = m.get(pid)
             if info is None or info.left or info.finished or m.excluded(pid):
@@ -211,6 +218,7 @@ class Gossip:
                 else "unreachable" + (f" ({cause})" if cause else "")
             )
             log.warning("peer %s lost: %s (network.peer_timeout %.1fs)", pid[:8], why, m.peer_timeout)
+            self._said_lost.add(pid)
         self._alive_ids = now_ids
 
     def refresh_timing(self) -> None:
@@ -269,10 +277,15 @@ class Gossip:
             # reached us meanwhile, met a busy slow link (a round's bytes queued ahead of it), not a dead peer:
             # marking it dead made leaders close groups without it and split the step. Refused connections, and
             # peers silent for as long as the call waited (a frozen host keeps its sockets open), are marked.
+            # A connected peer's heartbeat may be seconds old under bounded gossip (an entry reaches each peer a few
+            # times per peer_timeout at 64 peers), so a deadline on a connected channel with a busy peer needs it
+            # silent for half the timeout: at 2 s, starved loops marked live peers dead by the hundred a minute.
+            silent = self.d.membership.silent_for(peer.peer_id)
+            connected = self.d.channels.connected(peer.address, peer)
             down = (
                 connection_failed(exc)
-                or not self.d.channels.connected(peer.address, peer)
-                or self.d.membership.silent_for(peer.peer_id) >= timeout
+                or (not connected and silent >= timeout)
+                or silent >= self.d.membership.peer_timeout / 2
             )
             if mark and exc.code() in UNREACHABLE and down:
                 self.d.membership.mark_unreachable(peer.peer_id, why=f"gossip {exc.code().name}")

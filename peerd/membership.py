@@ -86,8 +86,8 @@ class Membership:
         self._signed_body = b""
         self.entries: dict[str, Entry] = {}
         self.forged = 0  # entries refused because their signature does not check out
-        # (peer id, old incarnation, new incarnation) for each restart gossip revealed since the last drain while we
-        # still counted the old process live: it is gone, though the id never stopped being live (gossip.py says so)
+        # (peer id, old incarnation, new incarnation) for each restart gossip revealed since the last drain: the old
+        # process is gone, though the id may never have left the live set in between (gossip.py says so)
         self.restarts: list[tuple[str, int, int]] = []
         # Peers we refuse to count as live although their heartbeat advances: banned by us, or reported banned by a
         # majority of the swarm (peerd/robust.py). Set by the daemon.
@@ -132,8 +132,7 @@ class Membership:
                 self.entries[pid] = Entry(copy_peer(info), now, now)
                 new.append(pid)
             else:
-                restarted = info.incarnation > cur.info.incarnation and self.is_alive(pid, now)  # we counted on it
-                if restarted and len(self.restarts) < MAX_PEERS:
+                if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
