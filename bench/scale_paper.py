@@ -5,8 +5,9 @@ at 8-64 peers on this machine; `python -m bench.scale_paper` prints the extrapol
     python -m bench.scale_paper [--params 1e9] [--bytes-per-param 1] [--peers 8,64,256,1000] [--mbit 20,100,1000]
 
 Symbols: n peers, P parameters, b wire bytes per parameter (fp32 4, int8 1, e3m0 0.5), R link rate (bytes/s,
-each way), E bytes of one signed peer entry (about 250 without TLS, 650 with its certificate), K gossip entries per
-message (network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout.
+each way), E bytes of one signed peer entry (about 250 without TLS, 650 with its certificate), E_r bytes of a group's
+member entry (rendezvous.round_entry: about 130 without TLS, 530 with it), K gossip entries per message
+(network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Swarm:
     bytes_per_param: float = 4.0
     mbit: float = 1000.0
     entry: float = 250.0
+    round_entry: float = 130.0
     gossip_entries: int = 8
     interval: float = 1.0
     peer_timeout: float = 10.0
@@ -46,8 +48,8 @@ class Swarm:
         return 2 * (self.n - 1) * max(1, math.ceil(shard / PART))
 
     def leader_bytes(self) -> float:
-        """The leader answers each of the n members with the whole group (n entries): n^2 E per round."""
-        return self.n * self.n * self.entry
+        """The leader answers each of the n members with the whole group (n member entries): n^2 E_r per round."""
+        return self.n * self.n * self.round_entry
 
     def gossip_copies(self) -> float:
         """Copies of one given entry a peer receives before it would probe it: pushes and pull answers, each with K
@@ -95,13 +97,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peers", default="8,64,256,1000")
     ap.add_argument("--mbit", default="20,100,1000")
     ap.add_argument("--entry", type=float, default=650.0, help="bytes of one signed peer entry (TLS: ~650)")
+    ap.add_argument("--round-entry", type=float, default=530.0, help="bytes of a group's member entry (TLS: ~530)")
     ap.add_argument("--gossip-entries", type=int, default=8)
     args = ap.parse_args(argv)
     print("| peers | link | all-reduce s | leader s | gossip KB/s | probes/s | round floor s | limits first |")
     print("|---|---|---|---|---|---|---|---|")
     for mbit in (float(x) for x in args.mbit.split(",")):
         for n in (int(x) for x in args.peers.split(",")):
-            s = Swarm(n, args.params, args.bytes_per_param, mbit, args.entry, args.gossip_entries)
+            s = Swarm(n, args.params, args.bytes_per_param, mbit, args.entry, args.round_entry, args.gossip_entries)
             print(
                 f"| {n} | {mbit:g} Mbit/s | {s.allreduce_bytes() / s.rate:.1f} | {s.leader_bytes() / s.rate:.2f} | "
                 f"{s.gossip_bytes_per_s() / 1e3:.1f} | {s.gossip_probes_per_s():.2f} | {s.round_seconds():.1f} | "
