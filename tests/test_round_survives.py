@@ -10,13 +10,30 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm import Swarm, ids_in_order, tiny_config
+from tests.swarm import Peer, Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = pytest.mark.slow
 
 EXIT_ENV = "PEERD_FAULT_REDUCE_EXIT_AFTER_PARTS"
 GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
+
+
+def _run_with_a_dying_peer(tmp_path: Path, n: int, cfg: Path, env: dict[str, str]) -> tuple[Peer, list[Peer]]:
+    """Start n peers together (--wait-peers), the last with the injector `env`; wait until it died (exit 17) and the
+    others finished the run. Not `with swarm`, which would start them all without the injector."""
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):  # all start together, so the first rounds hold all of them
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env if i == n - 1 else None))
+        victim = swarm.peers[-1]
+        survivors = swarm.peers[: n - 1]
+        assert victim.wait(120) == 17, victim.log_tail()
+        swarm.wait_exit(180, survivors)
+    finally:
+        swarm.stop()
+    return victim, survivors
 
 
 @pytest.mark.parametrize(
@@ -31,18 +48,7 @@ def test_a_member_dies_mid_round_and_the_round_completes_without_it(tmp_path: Pa
     # "lowest" makes it the round's leader as well (the lowest id leads), the first shard's owner.
     ids_in_order(tmp_path, n, descending=victim_id == "lowest")
     cfg = tiny_config(tmp_path, run__outer_steps=4, codec__name=codec)  # int8: the lossy path (frames, not tensors)
-    swarm = Swarm(tmp_path, n, cfg)
-    try:  # not `with swarm`, which would start all four without the injector
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
-        for i in range(1, n):  # all start together (--wait-peers), so the first rounds hold all four
-            env = {EXIT_ENV: str(n - 1 + 2)} if i == n - 1 else None
-            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
-        victim = swarm.peers[-1]
-        survivors = swarm.peers[: n - 1]
-        assert victim.wait(120) == 17, victim.log_tail()
-        swarm.wait_exit(180, survivors)
-    finally:
-        swarm.stop()
+    victim, survivors = _run_with_a_dying_peer(tmp_path, n, cfg, {EXIT_ENV: str(n - 1 + 2)})
     assert "fault injection: exiting after sending 5 reduce parts" in victim.log()
     assert_identical_globals([p.data_dir for p in survivors])
     died_in = None
@@ -70,20 +76,9 @@ def test_an_owner_that_dies_while_sending_its_shard_leaves_one_model(tmp_path: P
     next in line itself), so every survivor applies the same shard: one round, no failed attempt, bit-identical."""
     n = 4
     ids_in_order(tmp_path, n)
-    cfg = tiny_config(tmp_path, run__outer_steps=4)
-    swarm = Swarm(tmp_path, n, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
-        for i in range(1, n):
-            # one part per shard, n-1 members per owner: its first round's 3 replies, then one reply in the second
-            env = {GATHER_EXIT_ENV: str(n - 1 + 1)} if i == n - 1 else None
-            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
-        victim = swarm.peers[-1]
-        survivors = swarm.peers[: n - 1]
-        assert victim.wait(120) == 17, victim.log_tail()
-        swarm.wait_exit(180, survivors)
-    finally:
-        swarm.stop()
+    # one part per shard, n-1 members per owner: its first round's 3 replies, then one reply in the second
+    victim, survivors = _run_with_a_dying_peer(tmp_path, n, tiny_config(tmp_path, run__outer_steps=4),
+                                               {GATHER_EXIT_ENV: str(n - 1 + 1)})  # fmt: skip
     assert "fault injection: exiting after sending 4 averaged parts" in victim.log()
     assert_identical_globals([p.data_dir for p in survivors])
     logs = [p.log() for p in survivors]
