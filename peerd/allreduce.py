@@ -218,7 +218,7 @@ class ReduceRound:
             codec=self.codec, n=self.n, sources=self._line_before(shard),
         )  # fmt: skip
         owner = await self.wait_owner(shard, held.source)
-        if owner.relayed_from is None and self.average is not None and await owner.adopt(held.frames(), held.source):
+        if self.average is not None and await owner.adopt(held.frames(), held.source):
             log.debug("shard %d of a lost owner reached us through %s", shard, sender[:8])
             if not self._done:  # members of this round wait for it (after completion: only if one asks)
                 self._say_relayed(shard, held.source)
@@ -229,15 +229,16 @@ class ReduceRound:
             log.info("shard %d of a lost owner: serving %s's own average to the members that missed it", shard,
                      source[:8])  # fmt: skip
 
+    def _line(self, shard: int) -> list[int]:
+        """Who reduces `shard`, in order: its owner, then the owners after it in member order (the fallbacks)."""
+        return [self.owners[(shard + step) % self.n_shards] for step in range(self.n_shards)]
+
     def _line_before(self, shard: int) -> list[str]:
         """Who may have averaged `shard` before us: its owner, then the owners after it in member order up to us."""
-        out = []
-        for step in range(self.n_shards):
-            candidate = self.owners[(shard + step) % self.n_shards]
-            if candidate == self.member:
-                return out
-            out.append(self.ids[candidate])
-        return []  # we own no shard: nothing is ever relayed to us
+        line = self._line(shard)
+        if self.member not in line:
+            return []  # we own no shard: nothing is ever relayed to us
+        return [self.ids[i] for i in line[: line.index(self.member)]]
 
     def owner_for(self, shard: int, sender: str) -> ShardOwner:
         """Our owner side of `shard`: our own, or a lost owner's shard when we are next in line for it."""
@@ -280,11 +281,7 @@ class ReduceRound:
     def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
         """The member that reduces `shard`: its owner, or else the next owner in member order not seen lost."""
         lost = self.lost | (also_lost or set())
-        for step in range(self.n_shards):
-            candidate = self.owners[(shard + step) % self.n_shards]
-            if self.ids[candidate] not in lost:
-                return candidate
-        return None
+        return next((i for i in self._line(shard) if self.ids[i] not in lost), None)
 
     def member_left(self, peer_id: str) -> None:
         """`peer_id`'s stream to us broke off, or another owner's averaged part left it out: every shard we reduce

@@ -257,7 +257,8 @@ class ShardOwner:
 
     # -- a lost owner's average instead of ours (shard_relay.py) ---------------------------------------------------
     def can_adopt(self) -> bool:
-        return not self._started and not self.reduced.done()
+        """Nobody's average is in yet: ours has not begun, and no relayed one is being adopted."""
+        return self.relayed_from is None and not self._started and not self.reduced.done()
 
     async def adopt(self, frames: list[tuple[bytes | bytearray, bytes]], source: str) -> bool:
         """Serve `source`'s averaged parts (payload, mask) instead of averaging ourselves: decode them into our
@@ -270,11 +271,11 @@ class ShardOwner:
         sums = []
         for (lo, hi), (payload, _) in zip(self.parts, frames, strict=True):
             try:
-                decoded = await loop.run_in_executor(self.ctx.executor, self.ctx.codec.decode, payload, hi - lo)
+                decoded, sumsq = await loop.run_in_executor(self.ctx.executor, self._decode_part, payload, hi - lo)
             except CodecError as exc:
                 raise StreamError("malformed", f"a relayed part of {source[:8]}'s does not decode: {exc}") from exc
             self.ctx.place((lo, hi), decoded)
-            sums.append(sum_of_squares(decoded))
+            sums.append(sumsq)
         self.adopt_known(frames, sums, source)
         return True
 

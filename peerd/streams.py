@@ -45,9 +45,8 @@ def relayed_messages(rx: ReceivedTensor, chunk_bytes: int = MAX_CHUNK) -> Iterat
     """`rx` as its sender signed it, for another peer to check against the sender's key: its header, its payload in
     chunks (the digest does not depend on how the payload is cut) and its trailer."""
     yield pb.TensorMessage(header=rx.header)
-    view = memoryview(rx.payload)
-    for i in range(0, len(view), chunk_bytes):
-        yield pb.TensorMessage(chunk=bytes(view[i : i + chunk_bytes]))
+    for chunk in SealedFrame((b"", rx.payload, b"")).chunks(chunk_bytes):
+        yield pb.TensorMessage(chunk=chunk)
     yield pb.TensorMessage(trailer=pb.TensorTrailer(digest=rx.digest, signature=rx.signature))
 
 
