@@ -321,7 +321,9 @@ class ReduceRound:
                 task.add_done_callback(self._tasks.discard)
 
     async def _relay(self, j: int, to: pb.PeerInfo, stub_for: StubFor) -> None:
-        msgs = relay_stream(self.held[j], self.group.round_id, j, self.identity, self.run_id, self.chunk_bytes)
+        msgs = relay_stream(
+            self.held[j], self.group.round_id, j, self.identity, self.run_id, self.chunk_bytes, to.incarnation
+        )
         call = stub_for(to).Reduce(msgs, timeout=FALLBACK_GRACE_S + 5.0)  # type: ignore[attr-defined]
         try:
             async for _ in call:
@@ -486,6 +488,7 @@ class ReduceRound:
         loop = asyncio.get_running_loop()
         parts = self.parts[j]
         chain = b""
+        to = self.group.members[self.ids.index(owner)].incarnation  # a restarted owner answers NOT_FOUND at once
         pending = loop.run_in_executor(self.executor, self._encode_part, j, 0)
         for k, (lo, hi) in enumerate(parts):
             payload = await pending
@@ -498,6 +501,7 @@ class ReduceRound:
                 numel=hi - lo,
                 codec=codec_to_wire(self.codec.name),
                 kind=kind_to_wire("reduce"),
+                to_incarnation=to,
             )
             msgs, chain = part_messages(
                 header, payload, self.identity, self.run_id, self.chunk_bytes, chain, self.stats
@@ -560,6 +564,8 @@ class ReduceRound:
                 # on: if it aborted, its round failed and so will the fallback's (the abort reaches every member), so
                 # a live owner's shard is never reduced twice. It names nobody: an aborting owner may be honest.
                 raise OwnerLost(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # a new process took its id: the one in the round is gone
+                raise OwnerLost(f"{pid[:8]} restarted: {exc.details()}") from exc  # (the new one is reachable)
             kind = OwnerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else RoundFailed
             why = f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}"
             raise kind(why, {pid}, "peer_lost") from exc

@@ -227,6 +227,11 @@ class RoundsService(rpc.RoundsServicer):
             verified = sender = verify_header(self.checks.verifier, first.header)
             key = f"key:{sender}"
             self.checks.limits.check_rate(key)
+            to = first.header.to_incarnation
+            if to and to != self.membership.me.incarnation:
+                # Our previous process was in that round: we never will be, so do not hold the stream for it (the
+                # sender moves the shard to its fallback at once, and learns we restarted).
+                await context.abort(grpc.StatusCode.NOT_FOUND, "Reduce: this peer restarted since the round formed")
             with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
                 rnd = await self.rounds.wait_round(first.header.round_id)
                 if rnd is None:

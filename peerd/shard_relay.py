@@ -41,11 +41,19 @@ class HeldShard:
 
 
 def relay_stream(
-    held: HeldShard, round_id: bytes, shard: int, identity: Identity, run_id: bytes, chunk_bytes: int
+    held: HeldShard,
+    round_id: bytes,
+    shard: int,
+    identity: Identity,
+    run_id: bytes,
+    chunk_bytes: int,
+    to_incarnation: int = 0,
 ) -> Iterator[pb.TensorMessage]:
     """A Reduce stream that hands `held` to a fallback: our own signed, empty RELAY tensor (so the service knows
     whose stream it is and which round and shard it is for), then the source's parts exactly as it signed them."""
-    header = pb.TensorHeader(round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire("relay"))
+    header = pb.TensorHeader(
+        round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire("relay"), to_incarnation=to_incarnation
+    )
     msgs, _ = part_messages(header, b"", identity, run_id, chunk_bytes, b"")
     yield from msgs
     for rx in held.parts:

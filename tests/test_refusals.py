@@ -117,3 +117,23 @@ def test_malformed_and_oversized_chunks_are_refused(peer) -> None:
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     _still_serving(peer)
     assert peer.status().rejected_messages >= 3
+
+
+def test_a_stream_for_a_previous_process_is_answered_at_once(peer) -> None:
+    """A Reduce stream names the incarnation the round's group lists for its owner: a restarted owner says so at
+    once (NOT_FOUND, which the sender takes as a lost owner) instead of holding the stream for a round its previous
+    process was in, as it holds one for a round it may yet join (its own rendezvous answer may come after a member's
+    stream). At 64 peers under churn, such held streams timed whole rounds out."""
+    run_id = peer.config.run_id()
+    me = Identity.generate()
+
+    def stream(to: int) -> grpc.RpcError:
+        header = pb.TensorHeader(round_id=os.urandom(32), shard=0, numel=10, codec=pb.CODEC_FP32, to_incarnation=to)
+        msg = pb.TensorMessage(header=sign(header, "peerd.v1.TensorHeader", me, run_id))
+        return _call(peer, lambda ch: list(rpc.RoundsStub(ch).Reduce(iter([msg]), timeout=3)))
+
+    err = stream(1)  # an incarnation no process of this peer ever had: the one the round knew is gone
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "restarted" in err.details(), err.details()
+    held = stream(0)  # unchecked (no incarnation named): held for the round, until the caller's deadline
+    assert held.code() == grpc.StatusCode.DEADLINE_EXCEEDED, held.details()
+    _still_serving(peer)

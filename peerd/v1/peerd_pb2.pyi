@@ -378,7 +378,7 @@ class RendezvousResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask")
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask", "to_incarnation")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,7 @@ class TensorHeader(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_MASK_FIELD_NUMBER: _ClassVar[int]
+    TO_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     round_id: bytes
     shard: int
@@ -399,7 +400,8 @@ class TensorHeader(_message.Message):
     kind: TensorKind
     part: int
     included_mask: bytes
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ..., included_mask: _Optional[bytes] = ...) -> None: ...
+    to_incarnation: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ..., included_mask: _Optional[bytes] = ..., to_incarnation: _Optional[int] = ...) -> None: ...
 
 class TensorTrailer(_message.Message):
     __slots__ = ("digest", "signature")
