@@ -17,7 +17,9 @@ Per swarm size, over a measurement window that starts once every peer is up:
   peer sent (the leader: it answers every member with the whole group);
 - detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
   data dir); the seconds from each kill until each other peer logs the peer as lost, or logs that a new process took
-  its id (median and max over every observer that logged either), against `network.peer_timeout`.
+  its id (median, 90th percentile and max over every observer that logged either), against `network.peer_timeout`;
+  and per kill, the seconds until half of the observers had (median and worst kill). Observers that counted the
+  peer live and said nothing for twice the timeout are counted as silent. With --keep, kills.json lists the kills.
 
 Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
 times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
@@ -141,6 +143,7 @@ def run_size(
         row = _report(n, t0, t1, before, after, logs, kills)
         if kept:
             row["kept"] = kept
+            Path(kept, "kills.json").write_text(json.dumps(kills))  # (time, peer id): for a post-mortem
         return row
 
 
@@ -186,6 +189,7 @@ def _report(
     # peer's requests, to show whether the leader is a hot spot
     rdv = [d.get("peerd_sent_bytes_total:rendezvous", 0.0) / k for d, k in done if k > 0]
     detect: list[float] = []
+    half: list[float] = []  # per kill: seconds until half of the observers that counted the peer live had said so
     missed = 0
     ids = {i: set(SERVING.findall(log)) for i, log in logs.items()}  # each log's own peer id
     for k, (at, pid) in enumerate(kills):
@@ -194,6 +198,8 @@ def _report(
         # a line belongs to this kill only until the same peer is killed again (it was restarted in between)
         until = next((t for t, p in kills[k + 1 :] if p == pid), at + 60)
         end = min(until, t1)
+        mine: list[float] = []
+        watching = 0
         for i, log in logs.items():
             if pid in ids.get(i, ()):
                 continue  # the victim's own log
@@ -207,11 +213,15 @@ def _report(
                     live = True
                 elif m and m[2] == pid and at <= _ts(m[1]) < end:  # not in the teardown after the window
                     if live:  # one that had already counted it out (a false loss before) had nothing to detect
-                        detect.append(_ts(m[1]) - at)
+                        mine.append(_ts(m[1]) - at)
                     seen = True
                     break
+            watching += live
             if live and not seen and end - at >= 2 * PEER_TIMEOUT:
                 missed += 1  # it counted the peer live, and said nothing for twice the timeout
+        detect += mine
+        if watching and len(mine) * 2 >= watching:
+            half.append(sorted(mine)[(watching + 1) // 2 - 1])
     rounds = len(steps)
     return {
         "peers": n,
@@ -235,6 +245,9 @@ def _report(
         "kills": len(kills),
         "detect_s_median": round(statistics.median(detect), 2) if detect else None,
         "detect_s_max": round(max(detect), 2) if detect else None,
+        "detect_s_p90": round(sorted(detect)[int(0.9 * (len(detect) - 1))], 2) if detect else None,
+        "half_detect_s_median": round(statistics.median(half), 2) if half else None,
+        "half_detect_s_max": round(max(half), 2) if half else None,
         "detections": len(detect),
         "detect_missed": missed,
         "peer_timeout": PEER_TIMEOUT,
@@ -270,9 +283,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"round {row['round_B_per_peer']} B/peer ({row['round_raw_B_per_peer']} before the codec), "
                 f"rendezvous {row['rendezvous_B_per_round_median']} B/round per peer (max "
                 f"{row['rendezvous_B_per_round_max']}), kills {row['kills']}, "
-                f"detect {row['detect_s_median']}/{row['detect_s_max']} s over "
+                f"detect {row['detect_s_median']}/{row['detect_s_p90']}/{row['detect_s_max']} s (median/p90/max) over "
                 f"{row['detections']} observations, {row['detect_missed']} observers silent past 2x the timeout "
-                f"(timeout {row['peer_timeout']})",
+                f"(timeout {row['peer_timeout']}), half the swarm knew after {row['half_detect_s_median']} s "
+                f"(worst kill {row['half_detect_s_max']} s)",
                 flush=True,
             )
 

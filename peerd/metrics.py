@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 KINDS = ("reduce", "gather", "pair", "state", "gossip", "rendezvous")
 """What a transfer carried: reduce-scatter/all-gather parts, NoLoCo pairs, state downloads, membership."""
+TENSOR_KINDS = ("reduce", "gather", "pair")
+"""The kinds that go through a codec: only they set peerd_compression_ratio."""
 FORMS = ("raw", "wire")
 """``raw``: bytes of the fp32 tensors before encoding; ``wire``: bytes carried after quantize+zstd."""
 PHASES = ("rendezvous", "exchange", "total")
@@ -230,6 +232,15 @@ class PeerMetrics:
         for kind in ("slow", "faulty"):
             self.flagged_peers.labels(kind=kind).set(0)
             self.self_flagged.labels(kind=kind).set(0)
+        self.rendezvous_answers = Counter(
+            "peerd_rendezvous_answers",
+            "Groups this peer sent as a round's leader, by form: delta (changes from the member's previous member "
+            "list) or whole (peerd/group_delta.py).",
+            ["form"],
+            registry=registry,
+        )
+        for form in ("delta", "whole"):
+            self.rendezvous_answers.labels(form=form)
         self.relayed_bytes = Counter(
             "peerd_relayed_bytes",
             "Bytes this peer relayed between other peers (outbound-only peers).",
@@ -268,7 +279,7 @@ class PeerMetrics:
         self.sent_bytes.labels(kind=kind, form="raw").inc(raw)
         self.sent_bytes.labels(kind=kind, form="wire").inc(wire)
         self.sent_messages.labels(kind=kind).inc(max(int(messages), 0))
-        if wire > 0:
+        if wire > 0 and kind in TENSOR_KINDS:  # membership traffic has no raw form: it must not reset the ratio
             self.compression_ratio.set(raw / wire)
 
     def record_received(self, kind: str, raw_bytes: int, wire_bytes: int) -> None:

@@ -24,6 +24,7 @@ from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import UNREACHABLE
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
+from peerd.group_delta import DeltaError, LeaderLists, MemberList
 from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind, member_weight
@@ -60,6 +61,9 @@ class RoundClient:
         # member of that round got the same group, so all of them agree on the next step's leader; switching on
         # each peer's live view of the flags instead split a step between the old leader and the new one.
         self.no_lead: set[str] = set()
+        # Rendezvous answers travel as changes to the member list of the member's previous group (group_delta.py)
+        self.led_lists = LeaderLists()  # as a leader: the lists we answered against lately
+        self.my_list = MemberList()  # as a member: our last group's list, which our requests name
 
     async def lead_rendezvous(self, request: pb.RendezvousRequest, info: pb.PeerInfo) -> pb.RendezvousResponse:
         assert self.d.leader is not None
@@ -87,7 +91,7 @@ class RoundClient:
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
         behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
         lineage = bytes(request.state_digest) if self.d.ranked else b""
-        return await self.d.leader.join(
+        resp = await self.d.leader.join(
             request.step,
             request.fragment,
             info,
@@ -97,6 +101,11 @@ class RoundClient:
             lineage,
             int(request.tokens),
         )
+        resp = self.led_lists.answer(resp, bytes(request.members_base))
+        form = resp.WhichOneof("result")
+        if self.d.metrics is not None and form in ("delta", "group"):
+            self.d.metrics.rendezvous_answers.labels(form="delta" if form == "delta" else "whole").inc()
+        return resp
 
     def _first_leader(self, peers: list[pb.PeerInfo]) -> pb.PeerInfo | None:
         """The lowest-id peer of `peers` (in id order) that may lead: dialable, and not flagged slow or faulty in our
@@ -167,6 +176,7 @@ class RoundClient:
                     work=mine.work,
                     state_digest=mine.digest,
                     tokens=tokens,
+                    members_base=self.my_list.digest,
                 ),
                 "Rendezvous",
                 self.d.identity,
@@ -212,6 +222,13 @@ class RoundClient:
                     self.d.gossip.merge_gossip([nxt])
                     target = nxt
                 continue
+            if resp.WhichOneof("result") == "delta":
+                try:
+                    return pb.RendezvousResponse(group=self.my_list.rebuild(resp.delta, self.d.run_id))
+                except DeltaError as exc:  # ask again for the whole group
+                    log.warning("rendezvous: %s; asking %s for the whole group", exc, target.peer_id[:8])
+                    self.my_list.forget()
+                    continue
             return resp
         raise RoundFailed("rendezvous did not settle on a leader")
 
@@ -337,6 +354,7 @@ class RoundClient:
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
+            self.my_list.remember(group)
             mine = next((m for m in group.members if m.peer_id == self.d.identity.peer_id), None)
             if mine is not None and mine.incarnation != self.d.me.incarnation:
                 # The leader still knew our previous process (we restarted while its round ran) and handed us that

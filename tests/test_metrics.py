@@ -103,6 +103,7 @@ def test_all_families_exposed_with_types_and_units() -> None:
         "peerd_sent_messages": "counter",
         "peerd_received_bytes": "counter",
         "peerd_compression_ratio": "gauge",
+        "peerd_rendezvous_answers": "counter",
         "peerd_round_duration_seconds": "histogram",
         "peerd_round_peers": "gauge",
         "peerd_rounds": "counter",
@@ -181,6 +182,9 @@ def test_record_helpers_update_the_right_series() -> None:
     assert sample_value(m, "peerd_sent_bytes_total", kind="pair", form="wire") == 375
     assert sample_value(m, "peerd_sent_messages_total", kind="pair") == 2
     assert sample_value(m, "peerd_compression_ratio") == pytest.approx(4.0)  # the last exchange, not the mean
+    m.record_sent("gossip", 0, 300)  # membership traffic has no raw form: it left the ratio at 0 every second
+    m.record_sent("rendezvous", 0, 200)
+    assert sample_value(m, "peerd_compression_ratio") == pytest.approx(4.0)
     m.record_received("state", 10, 10)
     assert sample_value(m, "peerd_received_bytes_total", kind="state", form="wire") == 10
     m.record_round("partial", peers=2, total_seconds=1.5, exchange_seconds=1.2)

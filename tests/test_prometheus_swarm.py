@@ -92,5 +92,8 @@ def test_every_dashboard_query_returns_data_from_a_real_swarm(tmp_path: Path) ->
             )
             sent = sorted(float(r["value"][1]) for r in rdv)
             assert sent[-1] > sent[0], sent
+            # The leader answers a member whose previous group it led with the changes to that group's member list,
+            # not the whole list (peerd/group_delta.py): with no churn, every answer after a member's first.
+            prom.wait_for('sum(peerd_rendezvous_answers_total{job="peerd", form="delta"}) > 0', bool, left)
     finally:
         peers.stop()

@@ -318,7 +318,7 @@ class OuterStepRecord(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens", "declined")
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens", "declined", "members_base")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,7 @@ class RendezvousRequest(_message.Message):
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECLINED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_BASE_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     step: int
     attempt: int
@@ -339,7 +340,8 @@ class RendezvousRequest(_message.Message):
     state_digest: bytes
     tokens: int
     declined: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ...) -> None: ...
+    members_base: bytes
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ..., members_base: _Optional[bytes] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms", "part_bytes")
@@ -368,14 +370,26 @@ class Group(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ..., part_bytes: _Optional[int] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group", "behind", "redirect")
+    __slots__ = ("group", "behind", "redirect", "delta")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BEHIND_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     group: Group
     behind: int
     redirect: PeerInfo
-    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+    delta: GroupDelta
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ..., delta: _Optional[_Union[GroupDelta, _Mapping]] = ...) -> None: ...
+
+class GroupDelta(_message.Message):
+    __slots__ = ("group", "base", "dropped")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    group: Group
+    base: bytes
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., base: _Optional[bytes] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask", "to_incarnation")
