@@ -7,7 +7,9 @@ at 8-64 peers on this machine; `python -m bench.scale_paper` prints the extrapol
 Symbols: n peers, P parameters, b wire bytes per parameter (fp32 4, int8 1, e3m0 0.5), R link rate (bytes/s,
 each way), E bytes of one signed peer entry (about 250 without TLS, 650 with its certificate), E_r bytes of a group's
 member entry (rendezvous.round_entry: about 130 without TLS, 530 with it), K gossip entries per message
-(network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout.
+(network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout, c member entries that change between
+a member's consecutive groups (joins, deaths, restarts: peerd/group_delta.py sends only those), w bytes per member
+that a delta answer still carries (its token claim and join lag: about 5), H a delta answer's fixed bytes (about 60).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Swarm:
     gossip_entries: int = 8
     interval: float = 1.0
     peer_timeout: float = 10.0
+    changed: float = 2.0
+    per_member: float = 5.0
+    answer_fixed: float = 60.0
 
     @property
     def rate(self) -> float:
@@ -48,7 +53,12 @@ class Swarm:
         return 2 * (self.n - 1) * max(1, math.ceil(shard / PART))
 
     def leader_bytes(self) -> float:
-        """The leader answers each of the n members with the whole group (n member entries): n^2 E_r per round."""
+        """The leader answers each of the n members with the changes from its previous group (peerd/group_delta.py):
+        n (H + c E_r + n w) per round. Whole groups were n^2 E_r."""
+        return self.n * (self.answer_fixed + self.changed * self.round_entry + self.n * self.per_member)
+
+    def whole_leader_bytes(self) -> float:
+        """What whole-group answers took (a member's first round, or one whose previous group another peer led)."""
         return self.n * self.n * self.round_entry
 
     def gossip_copies(self) -> float:
@@ -99,14 +109,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--entry", type=float, default=650.0, help="bytes of one signed peer entry (TLS: ~650)")
     ap.add_argument("--round-entry", type=float, default=530.0, help="bytes of a group's member entry (TLS: ~530)")
     ap.add_argument("--gossip-entries", type=int, default=8)
+    ap.add_argument("--changed", type=float, default=2.0, help="member entries that change per round (churn)")
     args = ap.parse_args(argv)
-    print("| peers | link | all-reduce s | leader s | gossip KB/s | probes/s | round floor s | limits first |")
+    print(
+        "| peers | link | all-reduce s | leader s (whole groups) | gossip KB/s | probes/s | round floor s | "
+        "limits first |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mbit in (float(x) for x in args.mbit.split(",")):
         for n in (int(x) for x in args.peers.split(",")):
-            s = Swarm(n, args.params, args.bytes_per_param, mbit, args.entry, args.round_entry, args.gossip_entries)
+            s = Swarm(
+                n, args.params, args.bytes_per_param, mbit, args.entry, args.round_entry, args.gossip_entries,
+                changed=args.changed,
+            )  # fmt: skip
             print(
-                f"| {n} | {mbit:g} Mbit/s | {s.allreduce_bytes() / s.rate:.1f} | {s.leader_bytes() / s.rate:.2f} | "
+                f"| {n} | {mbit:g} Mbit/s | {s.allreduce_bytes() / s.rate:.1f} | {s.leader_bytes() / s.rate:.2f} "
+                f"({s.whole_leader_bytes() / s.rate:.1f}) | "
                 f"{s.gossip_bytes_per_s() / 1e3:.1f} | {s.gossip_probes_per_s():.2f} | {s.round_seconds():.1f} | "
                 f"{s.limit()} |"
             )

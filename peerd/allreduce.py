@@ -489,6 +489,9 @@ class ReduceRound:
         parts = self.parts[j]
         chain = b""
         to = self.group.members[self.ids.index(owner)].incarnation  # a restarted owner answers NOT_FOUND at once
+        if faults.reduce_silent(self.group.round_id):
+            await asyncio.sleep(max(self.deadline - time.monotonic(), 0.0))
+            return
         pending = loop.run_in_executor(self.executor, self._encode_part, j, 0)
         for k, (lo, hi) in enumerate(parts):
             payload = await pending

@@ -175,6 +175,24 @@ GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
 GATHER_EXIT = _ExitAfter(GATHER_EXIT_ENV, "averaged parts")
 
 
+# A member whose Reduce streams to other owners open and then carry nothing until the round's deadline: alive in
+# gossip, in the group, but its contributions never come (a stuck connection, a starved process). From the round
+# with this 0-based index on (all rounds counted), so the first rounds hold every member.
+REDUCE_SILENT_ENV = "PEERD_FAULT_REDUCE_SILENT_FROM_ROUND"
+REDUCE_SILENT_FROM = int(_env(REDUCE_SILENT_ENV).strip() or -1)
+_rounds_seen: dict[bytes, int] = {}
+
+
+def reduce_silent(round_id: bytes) -> bool:
+    """Whether this member's contributions in round `round_id` are held back (PEERD_FAULT_REDUCE_SILENT_FROM_ROUND)."""
+    if REDUCE_SILENT_FROM < 0:
+        return False
+    index = _rounds_seen.setdefault(bytes(round_id), len(_rounds_seen))
+    if index == REDUCE_SILENT_FROM:
+        logging.getLogger("peerd").error("fault injection: sending nothing on Reduce streams from this round on")
+    return index >= REDUCE_SILENT_FROM
+
+
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

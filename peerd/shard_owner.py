@@ -11,6 +11,7 @@ owner left out of `contributors`: see allreduce.py for how members pick that pee
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -30,6 +31,14 @@ from peerd.roundtypes import RoundFailed, RoundStats, part_messages, rms, sum_of
 from peerd.streams import StreamError, read_tensor
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_name, codec_to_wire, kind_to_wire
+
+log = logging.getLogger("peerd")
+
+SILENT_SHARE = 0.5
+"""An owner stops waiting for contributors of which nothing arrived once this share of the round's time left at its
+start has passed, if most of the others' did arrive: a member alive in gossip whose stream to us never came (a stuck
+connection, a starved process) otherwise held the round to its timeout and failed it for every member (seen at 64
+peers). It is dropped like a member that died: the round completes, partial, and says whom it left out."""
 
 
 @dataclass
@@ -94,6 +103,9 @@ class ShardOwner:
         self.relayed_from: str | None = None  # the lost owner whose own average we serve instead (shard_relay.py)
         self._left = n_parts  # parts not averaged yet
         self._tasks: set[asyncio.Future] = set()
+        self.silent_s = SILENT_SHARE * max(ctx.deadline - time.monotonic(), 0.0)
+        self._silent_timer = loop.call_later(self.silent_s, self.drop_silent)
+        self.reduced.add_done_callback(lambda _: self._silent_timer.cancel())
 
     @property
     def waiting_for(self) -> set[int]:
@@ -164,6 +176,22 @@ class ShardOwner:
             for k in range(len(self.parts)):
                 self._start_if_complete(k)
         self._check_whole()
+
+    def drop_silent(self) -> list[str]:
+        """Drop the contributors of which nothing arrived, if they are a minority of those we wait for (when most
+        are silent, the trouble is more likely ours: we keep waiting). Returns whom it dropped."""
+        others = self.waiting_for - {self.ctx.member}
+        silent = sorted(i for i in others if self.got[i] == 0)
+        if self.reduced.done() or self.relayed_from is not None or not silent or 2 * len(silent) >= len(others):
+            return []
+        for i in silent:
+            self.drop(i)
+        names = [self.ctx.ids[i] for i in silent]
+        log.warning(
+            "shard %d: left out %s: nothing of theirs arrived in %.0f s (half the round's time), from %d of %d "
+            "members it did", self.shard, [p[:8] for p in names], self.silent_s, len(others) - len(silent), len(others),
+        )  # fmt: skip
+        return names
 
     def _start_if_complete(self, k: int) -> None:
         if self.relayed_from is not None:

@@ -90,3 +90,33 @@ def test_an_owner_that_dies_while_sending_its_shard_leaves_one_model(tmp_path: P
         assert s["rounds_failed"] == 0, p.log_tail()
         partial = [r for r in s["rounds"] if len(r["included"]) < n]
         assert partial and len(partial[0]["included"]) == n - 1, s["rounds"]
+
+
+def test_a_member_whose_contributions_never_come_is_left_out_not_waited_for(tmp_path: Path) -> None:
+    """A member alive in gossip and in the group whose Reduce streams carry nothing (a stuck connection, a starved
+    process: PEERD_FAULT_REDUCE_SILENT_FROM_ROUND) used to hold every owner until the round timed out, failing the
+    round for all. Each owner now leaves it out once half the round's time passed with nothing of its own, while the
+    others' contributions came (shard_owner.SILENT_SHARE): the others complete that round with no failed attempt,
+    partial, naming it, and end bit-identical."""
+    n = 4
+    cfg = tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0)
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            env = {"PEERD_FAULT_REDUCE_SILENT_FROM_ROUND": "1"} if i == n - 1 else None
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    silent, others = swarm.peers[-1], swarm.peers[:-1]
+    assert "fault injection: sending nothing on Reduce streams" in silent.log()
+    silent_id = silent.summary()["peer_id"]
+    assert_identical_globals([p.data_dir for p in others])
+    for p in others:
+        s = p.summary()
+        assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
+        assert "nothing of theirs arrived" in p.log(), p.log_tail()
+        left_out = [r for r in s["rounds"] if silent_id not in r["included"]]
+        assert left_out and all(r["partial"] and silent_id in r["expected"] for r in left_out), s["rounds"]
+        assert len(left_out[0]["included"]) == n - 1, left_out[0]
