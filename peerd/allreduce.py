@@ -269,7 +269,7 @@ class ReduceRound:
 
     def _take_over(self, shard: int) -> ShardOwner:
         left = {self.owners[shard]} | {self.ids.index(p) for p in self.lost | self.left}
-        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left)
+        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left, leave_out_silent=False)
         self.owned[shard] = owner
         held = self.held.get(shard)
         if held is not None and held.source in self._line_before(shard):  # we have its average: serve that

@@ -187,10 +187,12 @@ def reduce_silent(round_id: bytes) -> bool:
     """Whether this member's contributions in round `round_id` are held back (PEERD_FAULT_REDUCE_SILENT_FROM_ROUND)."""
     if REDUCE_SILENT_FROM < 0:
         return False
-    index = _rounds_seen.setdefault(bytes(round_id), len(_rounds_seen))
-    if index == REDUCE_SILENT_FROM:
-        logging.getLogger("peerd").error("fault injection: sending nothing on Reduce streams from this round on")
-    return index >= REDUCE_SILENT_FROM
+    key = bytes(round_id)
+    if key not in _rounds_seen:
+        _rounds_seen[key] = len(_rounds_seen)
+        if _rounds_seen[key] == REDUCE_SILENT_FROM:
+            logging.getLogger("peerd").error("fault injection: sending nothing on Reduce streams from this round on")
+    return _rounds_seen[key] >= REDUCE_SILENT_FROM
 
 
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the

@@ -24,6 +24,7 @@ from peerd.v1 import peerd_pb2 as pb
 
 DIGEST_BYTES = 16
 KEEP_LISTS = 16  # member lists a leader keeps to answer against: the groups of its last few rounds and fragments
+MAX_ADDED = 1 << 16  # new entries one answer may carry (a group is far smaller)
 
 
 class DeltaError(ValueError):
@@ -121,6 +122,8 @@ class MemberList:
         if not self.digest or bytes(delta.base) != self.digest:
             raise DeltaError("the leader's answer names a member list this peer does not hold")
         n = len(self.members)
+        if len(delta.dropped) > n or len(delta.group.members) > MAX_ADDED:  # sizes before anything is built
+            raise DeltaError("the leader's answer is larger than any change to this peer's list")
         dropped = set(delta.dropped)
         if len(dropped) != len(delta.dropped) or any(i >= n for i in dropped):
             raise DeltaError("the leader's answer drops members this peer's list does not have")

@@ -79,7 +79,11 @@ class ShardOwner:
         shard: int,
         parts: list[tuple[int, int]],
         contributors: set[int],
+        leave_out_silent: bool = True,
     ) -> None:
+        """`leave_out_silent`: drop the silent minority at SILENT_SHARE (our own shard). A fallback owner waits for
+        every member it has not seen lost instead: members that went to the shard's owner never come to it, and
+        waiting for them is what keeps the two from completing one shard twice."""
         loop = asyncio.get_running_loop()
         self.ctx = ctx
         self.shard = shard
@@ -104,8 +108,9 @@ class ShardOwner:
         self._left = n_parts  # parts not averaged yet
         self._tasks: set[asyncio.Future] = set()
         self.silent_s = SILENT_SHARE * max(ctx.deadline - time.monotonic(), 0.0)
-        self._silent_timer = loop.call_later(self.silent_s, self.drop_silent)
-        self.reduced.add_done_callback(lambda _: self._silent_timer.cancel())
+        if leave_out_silent:
+            timer = loop.call_later(self.silent_s, self.drop_silent)
+            self.reduced.add_done_callback(lambda _: timer.cancel())
 
     @property
     def waiting_for(self) -> set[int]:

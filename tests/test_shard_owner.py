@@ -111,3 +111,47 @@ def test_a_shard_taken_over_waits_only_for_its_contributors() -> None:
         assert torch.equal(result, torch.full((8,), 2.0))
 
     asyncio.run(main())
+
+
+def test_the_silent_minority_is_left_out_but_a_silent_majority_is_waited_for() -> None:
+    """drop_silent (fired at half the round's time): members of which nothing arrived are left out when most others'
+    came; when most are silent the trouble is more likely the owner's, and it keeps waiting."""
+
+    async def main() -> None:
+        owner, result, _ = _owner(4)
+        for i in (0, 1, 2):
+            for k, (lo, hi) in enumerate(PARTS):
+                _give(owner, i, k, torch.full((hi - lo,), float(i)))
+        assert not owner.reduced.done()
+        assert owner.drop_silent() == [owner.ctx.ids[3]]
+        await asyncio.wait_for(asyncio.shield(owner.reduced), 5)
+        assert _mask(owner, 0) == _mask(owner, 1) == bytes([0b0111])
+        assert torch.equal(result, torch.full((8,), 1.0))
+
+        owner, _, _ = _owner(4)
+        for k, (lo, hi) in enumerate(PARTS):
+            _give(owner, 0, k, torch.zeros(hi - lo))
+        _give(owner, 1, 0, torch.zeros(4))  # one of three others began: two silent of three is no minority
+        assert owner.drop_silent() == [] and not owner.reduced.done()
+
+    asyncio.run(main())
+
+
+def test_a_fallback_owner_never_leaves_out_the_silent() -> None:
+    """A fallback waits for every member it has not seen lost: those that went to the shard's owner never come, and
+    waiting for them keeps the two from completing one shard twice (allreduce.py)."""
+
+    async def main() -> None:
+        owner, _, _ = _owner(4)
+        owner.ctx.deadline = time.monotonic() + 0.2  # half of it: the silent minority's timer, for our own shard
+        own = ShardOwner(owner.ctx, 0, PARTS, set(range(4)))
+        fallback = ShardOwner(owner.ctx, 1, PARTS, set(range(4)), leave_out_silent=False)
+        for o in (own, fallback):
+            for i in (0, 1, 2):  # member 3 stays silent: a minority
+                for k, (lo, hi) in enumerate(PARTS):
+                    _give(o, i, k, torch.zeros(hi - lo))
+        await asyncio.sleep(0.4)
+        assert own.reduced.done() and own.dropped == {3}
+        assert not fallback.reduced.done() and not fallback.dropped
+
+    asyncio.run(main())
