@@ -27,7 +27,9 @@ succeeds with probability (1-p)^n: 0.53 at 64 peers and 1 %). The round goes on 
 Every member decodes the same bytes with the same masks, so members stay bit-identical and agree on whom the round
 included (the intersection of the masks); a round that lost someone is partial, and says so. Bad data still fails the
 round on every member (owners abort the streams they serve, naming whom they blame), and the caller retries the step
-with a group that leaves the offender out. A round never averages a subset silently.
+with a group that leaves the offender out. A round never averages a subset silently. A member whose round fails for
+any other reason (a refused fallback, an owner that timed out) fails alone: the shards it reduces keep serving the
+others until the deadline (roundtypes.SHARED_FAILURES), and it downloads the state the others reach.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ from peerd.identity import Identity
 from peerd.layout import PART_BYTES, mask_members, part_bounds, part_elems, shard_bounds
 from peerd.robust import ContributionGuard
 from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
+from peerd.roundtypes import OwnerLost, StreamLate, own_evidence, part_messages, rms, shared, sum_of_squares
 from peerd.roundtypes import RoundFailed as RoundFailed
 from peerd.roundtypes import RoundStats as RoundStats
-from peerd.roundtypes import part_messages, rms, sum_of_squares
 from peerd.roundtypes import relayed_suspects as relayed_suspects
 from peerd.roundtypes import suspects_metadata as suspects_metadata
 from peerd.shard_owner import RoundContext, ShardOwner
@@ -84,16 +86,6 @@ class RoundResult:
     @property
     def partial(self) -> bool:
         return len(self.included) < len(self.group.expected)
-
-
-def _own_evidence(exc: BaseException) -> bool:
-    """A failure that names suspects on what we saw ourselves, not on another member's word."""
-    return isinstance(exc, RoundFailed) and bool(exc.suspects) and exc.reason != "aborted"
-
-
-class OwnerLost(RoundFailed):
-    """Our exchange with a shard's owner failed because the owner is gone (UNAVAILABLE: refused, reset): the shard
-    moves to the next in line instead of failing the round."""
 
 
 StubFor = Callable[[pb.PeerInfo], object]  # returns a RoundsStub for a member
@@ -367,7 +359,7 @@ class ReduceRound:
             # the group reaches every member in one round trip.
             done, pending = await asyncio.wait(tasks.values(), timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
             failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
-            if failed and pending and not any(_own_evidence(e) for e in failed):
+            if failed and pending and not any(own_evidence(e) for e in failed):
                 # Another member's abort names whom *it* blames (a hostile owner may name an honest peer): our own
                 # evidence, a moment later, is worth waiting for, so that every honest member leaves the same peer
                 # out of the retry
@@ -375,16 +367,23 @@ class ReduceRound:
                 failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
             if failed:
                 named = [e for e in failed if isinstance(e, RoundFailed) and e.suspects]
-                raise next((e for e in named if _own_evidence(e)), named[0] if named else failed[0])
+                raise next((e for e in named if own_evidence(e)), named[0] if named else failed[0])
             if pending:
                 raise TimeoutError
         except BaseException as exc:
-            for task in tasks.values():
-                task.cancel()
-            self.abort(exc if isinstance(exc, RoundFailed) else RoundFailed(str(exc)))
-            raise self._as_failure(exc, tasks) from exc
-        finally:
-            self._deadline_handle.cancel()
+            failure = self._as_failure(exc, tasks)
+            loud = shared(exc) and shared(failure)
+            for j, task in tasks.items():
+                if loud or j not in self.owned:
+                    task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: our round failed
+            if loud:
+                self.abort(failure)
+                self._deadline_handle.cancel()
+            else:  # only ours failed: the shards we reduce keep serving their members (roundtypes.SHARED_FAILURES)
+                self._failed = self._failed or failure
+            raise failure from exc
+        self._deadline_handle.cancel()
         if self.guard is not None:  # the same verdict on every member: it depends only on bytes they all received
             norms = [rms(self.reply_sumsq[j], hi - lo) for j, (lo, hi) in enumerate(self.bounds)]
             bad = [self.owners[j] for j in self.guard.screen_reply_norms(self.me, norms)]
@@ -406,6 +405,10 @@ class ReduceRound:
     async def _obtain(self, j: int, stub_for: StubFor, verifier: Verifier) -> None:
         """Shard j's average: from its owner, or, once that owner is lost, from the next in line (perhaps us)."""
         target = self.owners[j]
+        if faults.round_fails(self.group.round_id):  # others' parts reach our shard, then ours fails, then we feed it
+            await asyncio.sleep(2.0 if target == self.member else 1.0)
+            if target != self.member:
+                raise RoundFailed("fault injection: this member's round fails here", set(), "peer_lost")
         while True:
             if target == self.member:
                 await self._reduce_here(j)
@@ -422,6 +425,8 @@ class ReduceRound:
                 exc = attempt.exception()
                 if exc is None:
                     return
+                if isinstance(exc, StreamLate) and self.deadline - time.monotonic() > 5.0:
+                    continue  # our first part was late (a starved process): send it again to the same owner
                 if not isinstance(exc, OwnerLost):
                     raise exc
                 self.member_lost(pid)
@@ -567,6 +572,8 @@ class ReduceRound:
                 # on: if it aborted, its round failed and so will the fallback's (the abort reaches every member), so
                 # a live owner's shard is never reduced twice. It names nobody: an aborting owner may be honest.
                 raise OwnerLost(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing" in (exc.details() or ""):
+                raise StreamLate(f"our stream to {pid[:8]} was late: {exc.details()}") from exc
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # a new process took its id: the one in the round is gone
                 raise OwnerLost(f"{pid[:8]} restarted: {exc.details()}") from exc  # (the new one is reachable)
             kind = OwnerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else RoundFailed

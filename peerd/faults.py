@@ -183,6 +183,25 @@ REDUCE_SILENT_FROM = int(_env(REDUCE_SILENT_ENV).strip() or -1)
 _rounds_seen: dict[bytes, int] = {}
 
 
+# A member whose round fails here, from the round with this 0-based index on: 1 s into the round, before it sends
+# any contribution, and before it feeds its own to the shard it owns (at 2 s), while the others wait for that shard's
+# average. As if its exchange with another owner had failed (a refused fallback, say): its failure must stay its own.
+ROUND_FAIL_ENV = "PEERD_FAULT_ROUND_FAIL_FROM_ROUND"
+ROUND_FAIL_FROM = int(_env(ROUND_FAIL_ENV).strip() or -1)
+
+
+def round_fails(round_id: bytes) -> bool:
+    """Whether this member's round `round_id` fails here (PEERD_FAULT_ROUND_FAIL_FROM_ROUND)."""
+    if ROUND_FAIL_FROM < 0:
+        return False
+    key = bytes(round_id)
+    _failing.setdefault(key, len(_failing))
+    return _failing[key] >= ROUND_FAIL_FROM
+
+
+_failing: dict[bytes, int] = {}
+
+
 def reduce_silent(round_id: bytes) -> bool:
     """Whether this member's contributions in round `round_id` are held back (PEERD_FAULT_REDUCE_SILENT_FROM_ROUND)."""
     if REDUCE_SILENT_FROM < 0:

@@ -26,6 +26,38 @@ class RoundFailed(RuntimeError):
         self.reason = reason
 
 
+def own_evidence(exc: BaseException) -> bool:
+    """A failure that names suspects on what we saw ourselves, not on another member's word."""
+    return isinstance(exc, RoundFailed) and bool(exc.suspects) and exc.reason != "aborted"
+
+
+class OwnerLost(RoundFailed):
+    """Our exchange with a shard's owner failed because the owner is gone (UNAVAILABLE: refused, reset; NOT_FOUND:
+    restarted): the shard moves to the next in line instead of failing the round."""
+
+
+class StreamLate(RoundFailed):
+    """An owner closed our contribution stream because its first part came too late (the slow-loris limit): our own
+    lateness, not the owner's fault, so the exchange is opened again rather than the round failed."""
+
+
+# Failures that every member must share: bad data (signed, so someone answers for it) and refusals. A round that
+# fails for any other reason (a timeout, a refused fallback, an unreachable owner) fails only here: what we reduce for
+# the others keeps serving them until the deadline, so one member's trouble does not fail everyone's round.
+SHARED_FAILURES = frozenset(
+    {"rejected", "malformed", "nan", "oversized", "wrong_shape", "wrong_codec", "duplicate", "not_member",
+     "too_large", "banned", "not_admitted", "local"}
+)  # fmt: skip
+
+
+def shared(failure: BaseException) -> bool:
+    """Whether a failure of our round must fail the others' too (see SHARED_FAILURES); cancellation (the daemon
+    stopping, or our caller giving up) and the deadline end everything we serve as well."""
+    if not isinstance(failure, RoundFailed):
+        return True
+    return failure.reason in SHARED_FAILURES or failure.reason == "timeout"
+
+
 SUSPECTS_KEY = "peerd-suspects"
 """Trailing metadata of an aborted Reduce stream: whom the owner blames. Without it, a member whose round an owner
 aborted retried with the offender again, while the rest of the group retried without it: two groups, one step."""

@@ -247,6 +247,9 @@ class RoundsService(rpc.RoundsServicer):
             await self.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Reduce: {exc}")
         except (StreamError, CodecError) as exc:
             reason = getattr(exc, "reason", "malformed")
+            if first is None and reason == "timeout":  # its first part came too late: the sender sends it again
+                self.checks.count_rejected(reason)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Reduce: {exc}")
             sender = getattr(exc, "sender", None) or (verified if reason == "timeout" else None)
             if reason in ("banned", "not_admitted"):
                 if first is not None:  # a round of ours holding a peer we refuse cannot complete: fail it now

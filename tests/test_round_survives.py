@@ -120,3 +120,31 @@ def test_a_member_whose_contributions_never_come_is_left_out_not_waited_for(tmp_
         left_out = [r for r in s["rounds"] if silent_id not in r["included"]]
         assert left_out and all(r["partial"] and silent_id in r["expected"] for r in left_out), s["rounds"]
         assert len(left_out[0]["included"]) == n - 1, left_out[0]
+
+
+def test_a_member_whose_own_round_fails_does_not_fail_the_others(tmp_path: Path) -> None:
+    """A member's round can fail for reasons of its own: a fallback that refused it, an owner it timed out on
+    (PEERD_FAULT_ROUND_FAIL_FROM_ROUND fails it before it sends anything). It used to abort the shard it owns, which
+    failed the round for every member waiting on that shard (at 64 peers, one member's refused fallback failed 43
+    others). Only bad data fails everyone now: its shard keeps serving the others, who complete the round without
+    its contributions (left out as silent), and it downloads the state they reach."""
+    n = 4
+    cfg = tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0)
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            env = {"PEERD_FAULT_ROUND_FAIL_FROM_ROUND": "1"} if i == n - 1 else None
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
+        swarm.wait_exit(240, swarm.peers[:-1])
+    finally:
+        swarm.stop()
+    failing, others = swarm.peers[-1], swarm.peers[:-1]
+    assert "fault injection: this member's round fails here" in failing.log(), failing.log_tail()
+    failing_id = failing.summary()["peer_id"]
+    assert_identical_globals([p.data_dir for p in others])
+    for p in others:
+        s = p.summary()
+        assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
+        left_out = [r for r in s["rounds"] if failing_id not in r["included"]]
+        assert left_out and all(r["partial"] and len(r["included"]) == n - 1 for r in left_out), s["rounds"]
