@@ -197,7 +197,7 @@ def _report(
             continue
         # a line belongs to this kill only until the same peer is killed again (it was restarted in between)
         until = next((t for t, p in kills[k + 1 :] if p == pid), at + 60)
-        end = min(until, t1)
+        end = min(until, at + 60, t1)  # not a later flap of the restarted process, minutes on
         mine: list[float] = []
         watching = 0
         for i, log in logs.items():
