@@ -99,17 +99,7 @@ def test_a_member_whose_contributions_never_come_is_left_out_not_waited_for(tmp_
     others' contributions came (shard_owner.SILENT_SHARE): the others complete that round with no failed attempt,
     partial, naming it, and end bit-identical."""
     n = 4
-    cfg = tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0)
-    swarm = Swarm(tmp_path, n, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
-        for i in range(1, n):
-            env = {"PEERD_FAULT_REDUCE_SILENT_FROM_ROUND": "1"} if i == n - 1 else None
-            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
-        swarm.wait_exit(240)
-    finally:
-        swarm.stop()
-    silent, others = swarm.peers[-1], swarm.peers[:-1]
+    silent, others = _run_with_a_faulty_peer(tmp_path, n, {"PEERD_FAULT_REDUCE_SILENT_FROM_ROUND": "1"})
     assert "fault injection: sending nothing on Reduce streams" in silent.log()
     silent_id = silent.summary()["peer_id"]
     assert_identical_globals([p.data_dir for p in others])
@@ -129,17 +119,7 @@ def test_a_member_whose_own_round_fails_does_not_fail_the_others(tmp_path: Path)
     others). Only bad data fails everyone now: its shard keeps serving the others, who complete the round without
     its contributions (left out as silent), and it downloads the state they reach."""
     n = 4
-    cfg = tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0)
-    swarm = Swarm(tmp_path, n, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
-        for i in range(1, n):
-            env = {"PEERD_FAULT_ROUND_FAIL_FROM_ROUND": "1"} if i == n - 1 else None
-            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
-        swarm.wait_exit(240, swarm.peers[:-1])
-    finally:
-        swarm.stop()
-    failing, others = swarm.peers[-1], swarm.peers[:-1]
+    failing, others = _run_with_a_faulty_peer(tmp_path, n, {"PEERD_FAULT_ROUND_FAIL_FROM_ROUND": "1"})
     assert "fault injection: this member's round fails here" in failing.log(), failing.log_tail()
     failing_id = failing.summary()["peer_id"]
     assert_identical_globals([p.data_dir for p in others])
@@ -148,3 +128,17 @@ def test_a_member_whose_own_round_fails_does_not_fail_the_others(tmp_path: Path)
         assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
         left_out = [r for r in s["rounds"] if failing_id not in r["included"]]
         assert left_out and all(r["partial"] and len(r["included"]) == n - 1 for r in left_out), s["rounds"]
+
+
+def _run_with_a_faulty_peer(tmp_path: Path, n: int, env: dict[str, str]) -> tuple[Peer, list[Peer]]:
+    """n peers started together, 3 outer steps with a 16 s round timeout (half of it: 8 s before owners leave a
+    silent member out), the last with the injector `env`; returns it and the others once they finished the run."""
+    swarm = Swarm(tmp_path, n, tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0))
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env if i == n - 1 else None))
+        swarm.wait_exit(240, swarm.peers[:-1])
+    finally:
+        swarm.stop()
+    return swarm.peers[-1], swarm.peers[:-1]
