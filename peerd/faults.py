@@ -175,43 +175,36 @@ GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
 GATHER_EXIT = _ExitAfter(GATHER_EXIT_ENV, "averaged parts")
 
 
+class _FromRound:
+    """A fault that holds from the round with the 0-based index its environment variable names on (all rounds this
+    process took part in counted, by round id), so the first rounds hold every member."""
+
+    def __init__(self, env: str, says: str = "") -> None:
+        self.start = int(_env(env).strip() or -1)
+        self.says = says  # logged once, when the fault first holds
+        self._seen: dict[bytes, int] = {}
+
+    def __call__(self, round_id: bytes) -> bool:
+        if self.start < 0:
+            return False
+        key = bytes(round_id)
+        if key not in self._seen:
+            self._seen[key] = len(self._seen)
+            if self.says and self._seen[key] == self.start:
+                logging.getLogger("peerd").error("fault injection: %s", self.says)
+        return self._seen[key] >= self.start
+
+
 # A member whose Reduce streams to other owners open and then carry nothing until the round's deadline: alive in
-# gossip, in the group, but its contributions never come (a stuck connection, a starved process). From the round
-# with this 0-based index on (all rounds counted), so the first rounds hold every member.
+# gossip, in the group, but its contributions never come (a stuck connection, a starved process).
 REDUCE_SILENT_ENV = "PEERD_FAULT_REDUCE_SILENT_FROM_ROUND"
-REDUCE_SILENT_FROM = int(_env(REDUCE_SILENT_ENV).strip() or -1)
-_rounds_seen: dict[bytes, int] = {}
+reduce_silent = _FromRound(REDUCE_SILENT_ENV, "sending nothing on Reduce streams from this round on")
 
-
-# A member whose round fails here, from the round with this 0-based index on: 1 s into the round, before it sends
-# any contribution, and before it feeds its own to the shard it owns (at 2 s), while the others wait for that shard's
-# average. As if its exchange with another owner had failed (a refused fallback, say): its failure must stay its own.
+# A member whose round fails here: 1 s into the round, before it sends any contribution, and before it feeds its own
+# to the shard it owns (at 2 s), while the others wait for that shard's average. As if its exchange with another
+# owner had failed (a refused fallback, say): its failure must stay its own.
 ROUND_FAIL_ENV = "PEERD_FAULT_ROUND_FAIL_FROM_ROUND"
-ROUND_FAIL_FROM = int(_env(ROUND_FAIL_ENV).strip() or -1)
-
-
-def round_fails(round_id: bytes) -> bool:
-    """Whether this member's round `round_id` fails here (PEERD_FAULT_ROUND_FAIL_FROM_ROUND)."""
-    if ROUND_FAIL_FROM < 0:
-        return False
-    key = bytes(round_id)
-    _failing.setdefault(key, len(_failing))
-    return _failing[key] >= ROUND_FAIL_FROM
-
-
-_failing: dict[bytes, int] = {}
-
-
-def reduce_silent(round_id: bytes) -> bool:
-    """Whether this member's contributions in round `round_id` are held back (PEERD_FAULT_REDUCE_SILENT_FROM_ROUND)."""
-    if REDUCE_SILENT_FROM < 0:
-        return False
-    key = bytes(round_id)
-    if key not in _rounds_seen:
-        _rounds_seen[key] = len(_rounds_seen)
-        if _rounds_seen[key] == REDUCE_SILENT_FROM:
-            logging.getLogger("peerd").error("fault injection: sending nothing on Reduce streams from this round on")
-    return _rounds_seen[key] >= REDUCE_SILENT_FROM
+round_fails = _FromRound(ROUND_FAIL_ENV)
 
 
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the

@@ -11,6 +11,7 @@ import torch
 
 from peerd.codecs.frame import SealedFrame
 from peerd.identity import Identity
+from peerd.robust import STRIKE_REASONS
 from peerd.streams import tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 
@@ -41,13 +42,11 @@ class StreamLate(RoundFailed):
     lateness, not the owner's fault, so the exchange is opened again rather than the round failed."""
 
 
-# Failures that every member must share: bad data (signed, so someone answers for it) and refusals. A round that
+# Failures that every member must share: bad data (signed, so someone answers for it: robust.STRIKE_REASONS, and
+# a refused norm) and refusals. A round that
 # fails for any other reason (a timeout, a refused fallback, an unreachable owner) fails only here: what we reduce for
 # the others keeps serving them until the deadline, so one member's trouble does not fail everyone's round.
-SHARED_FAILURES = frozenset(
-    {"rejected", "malformed", "nan", "oversized", "wrong_shape", "wrong_codec", "duplicate", "not_member",
-     "too_large", "banned", "not_admitted", "local"}
-)  # fmt: skip
+SHARED_FAILURES = STRIKE_REASONS | {"rejected", "banned", "not_admitted", "local"}
 
 
 def shared(failure: BaseException) -> bool:
