@@ -16,7 +16,13 @@ on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inn
   window, so it may miss rounds: the staleness cost of carrying its work against dropping it
 
 Link family (root: network namespaces with tbf, bench/slowlink.py): one peer's link 10x slower both ways than the
-others' (`--link-mbit`), scenarios `uniform-net`, `slowlink` (fixed H) and `slowlink-window`.
+others' (`--link-mbit`):
+
+- `uniform-net`: 4 equal links (the reference); `drop-net`: the 3 fast peers only (nobody waits, the slow peer's
+  compute is not used)
+- `slowlink-wait`: fixed H, `outer.slow_link = "wait"`: every round waits for the slow link (DiLoCo before sponsors)
+- `slowlink`: fixed H, the default `outer.slow_link = "sponsor"`: once flagged, the slow peer sends its work through
+  a sponsor (peerd/sponsor.py) and no round waits for it; `slowlink-window`: the same with `inner.window_s`
 
 Per scenario: compute-idle fraction of the fast peers (median), tokens trained per fast and slow peer, the share of
 computed inner steps discarded, eval loss of the swarm's final global state (the peer holding the most work) on
@@ -56,6 +62,7 @@ class Scenario:
     slow_env: dict[str, str] | None  # the slow peer's extra environment (compute family)
     window_s: float = 0.0
     late_work: str = "carry"
+    slow_link: str = "sponsor"
     link_mbit: list[float] | None = None  # per-peer link rates (link family), None: loopback
 
 
@@ -79,7 +86,7 @@ def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "model": {"preset": "tiny"},
         "data": {"batch_size": args.batch_size, "eval_batches": 2},
         "inner": {"steps": args.H, "warmup_steps": 10, "window_s": sc.window_s},
-        "outer": {"late_work": sc.late_work},
+        "outer": {"late_work": sc.late_work, "slow_link": sc.slow_link},
         "network": dict(NETWORK),
         "checkpoint": {"every": 1},
     }
@@ -203,6 +210,8 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
         rates = [fast] * (PEERS - 1) + [slow]
         out += [
             Scenario("uniform-net", PEERS, None, link_mbit=[fast] * PEERS),
+            Scenario("drop-net", PEERS - 1, None, link_mbit=[fast] * (PEERS - 1)),
+            Scenario("slowlink-wait", PEERS, None, slow_link="wait", link_mbit=rates),
             Scenario("slowlink", PEERS, None, link_mbit=rates),
             Scenario("slowlink-window", PEERS, None, window_s=window, link_mbit=rates),
         ]
@@ -279,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{by['window']['eval_loss']:.4f}; flagged within 3 outer steps in 'wait': "
                   f"{by['wait']['flagged_at_step']}; false flags in 'uniform': "
                   f"{by['uniform']['false_flags']:.0f}")  # fmt: skip
+        if {"uniform-net", "drop-net", "slowlink-wait", "slowlink"} <= set(by):
+            best = min(by["slowlink-wait"]["eval_loss"], by["drop-net"]["eval_loss"])
+            print(f"\nlink goals: fast peers idle <= 5% in 'slowlink': {by['slowlink']['fast_idle']:.1%} (uniform-net "
+                  f"{by['uniform-net']['fast_idle']:.1%}, slowlink-wait {by['slowlink-wait']['fast_idle']:.1%}); "
+                  f"discarded 0%: {by['slowlink']['discarded_share']:.1%}; eval loss <= best of wait/drop "
+                  f"({best:.4f}): {by['slowlink']['eval_loss']:.4f}")  # fmt: skip
     if not args.keep:
         import shutil
 

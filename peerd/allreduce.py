@@ -82,6 +82,7 @@ class RoundResult:
     sent_decoded: torch.Tensor | None = None  # what our contribution decodes to (for error feedback), if asked
     lost: list[str] = field(default_factory=list)  # members that left mid-round (dropped, not waited for)
     fallbacks: int = 0  # shards we took from a fallback owner because theirs was lost
+    carried: list[str] = field(default_factory=list)  # sponsored peers whose work an included member carried
 
     @property
     def partial(self) -> bool:

@@ -24,7 +24,7 @@ else:  # pragma: no cover
 
 # The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
 # different revisions never meet in one run; the Join refusal names the field "protocol".
-PROTOCOL = 8
+PROTOCOL = 9
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 FEEDBACK_AGAINST = ("contribution", "average")  # peerd.codecs.feedback.FEEDBACK_AGAINST
@@ -123,6 +123,9 @@ class OuterSection:
     # a peer whose round went on without it (late, or behind): "carry" adds its pseudo-gradient to its next round,
     # on top of the swarm's new state; "discard" drops it and restarts from the swarm's state
     late_work: str = "carry"
+    # DiLoCo: a peer the swarm flags slow for its link: "sponsor" stops joining rounds and sends its work through a
+    # sponsor (peerd/sponsor.py), so no round waits for its link; "wait": it stays in every round
+    slow_link: str = "sponsor"
 
 
 @dataclass
@@ -311,6 +314,8 @@ class RunConfig:
             )
         if self.outer.late_work not in ("carry", "discard"):
             raise ConfigError(f"outer.late_work must be 'carry' or 'discard', not {self.outer.late_work!r}")
+        if self.outer.slow_link not in ("sponsor", "wait"):
+            raise ConfigError(f"outer.slow_link must be 'sponsor' or 'wait', not {self.outer.slow_link!r}")
         if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
             raise ConfigError("admission.mode must be open, secret, allowlist or invite")
         self._validate_security()
@@ -517,6 +522,8 @@ rewarm_steps = "auto"     # warmup after --init-from, and after adopting a state
 lr = 0.7
 momentum = 0.9
 late_work = "carry"       # a late peer's pseudo-gradient goes into its next round ("carry") or is dropped ("discard")
+slow_link = "sponsor"     # diloco: a peer flagged slow for its link sends its work through a sponsor ("sponsor") or
+                          # stays in every round ("wait")
 
 [noloco]                  # used when run.algorithm = "noloco"
 alpha = 0.5

@@ -19,7 +19,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +50,7 @@ from peerd.robust import BanList, ContributionGuard
 from peerd.roundclient import RoundClient
 from peerd.service import MembershipService, RoundsService, StateService
 from peerd.shutdown import DRAIN_S
+from peerd.sponsor import SponsorDesk
 from peerd.startbarrier import StartBarrier, start_together
 from peerd.statesync import StateSnapshot, part_digests
 from peerd.streams import StreamError
@@ -153,6 +154,7 @@ class Daemon:
         self.channels: Channels | None = None
         self.leader: RendezvousLeader | None = None
         self.pairing: Any = None  # set by the NoLoCo algorithm
+        self.sponsor_desk: SponsorDesk | None = None  # set by DiLoCo: slow-link peers' work for our rounds
         self.alone = AloneTracker()
         self.gossip = Gossip(self)  # join, gossip and redial (peerd/gossip.py)
         self.round_client = RoundClient(self)  # rendezvous and rounds (peerd/roundclient.py)
@@ -234,6 +236,8 @@ class Daemon:
             cfg=self.cfg,
             barrier=self.start_barrier,
             count_sent=self.count_sent,
+            desk=lambda: self.sponsor_desk,
+            executor=self.executor,
         )
         state_service = StateService(
             checks=checks,
@@ -423,11 +427,17 @@ class Daemon:
         return Claim(int(self.me.work), int(self.me.outer_step), bytes(self.me.state_digest), self.identity.peer_id)
 
     def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> RoundResult:
         """Average `vector` (1-D fp32, any device) with the peers ready for `step`. Raises Behind when the swarm has
         moved past `step`, RoundFailed when retries ran out. Blocking; call from the training thread."""
-        return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded, tokens))
+        return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded, tokens, carries))
 
     def allreduce_async(
         self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0

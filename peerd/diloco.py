@@ -8,6 +8,10 @@ its last round ended, so a slow peer takes fewer steps and nobody waits for it. 
 behind it and the round averages pseudo-gradients weighted by them (peerd/roundclient.py). A peer whose round went on
 without it keeps its work (`outer.late_work = "carry"`): it adopts the swarm's new state, re-applies its own pending
 pseudo-gradient on top, and contributes it, with its tokens, in the next round.
+
+Slow links (`outer.slow_link = "sponsor"`): a peer the swarm flags slow for its link stops joining rounds and sends
+its work through a sponsor (peerd/sponsored.py); every peer also sponsors such peers, adding the work they sent to its
+own contribution (peerd/sponsor.py), so no round waits for a slow link.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer, feedback_for
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
+from peerd.sponsor import combine
+from peerd.sponsored import SponsoredPeer
 from trainer.outer import NesterovOuter
 
 log = logging.getLogger("peerd")
@@ -46,6 +52,10 @@ class DiLoCo(OuterAlgorithm):
         self.discarded_steps = 0
         self.carried_in_a_row = 0  # adoptions since our last applied round that kept our pending work
         self.windows_pending = 0  # training windows (due points) behind our pending pseudo-gradient
+        # Slow links: we carry sponsored peers' work in our rounds, and send ours through a sponsor when ours is slow
+        self.sponsoring = trainer.swarm.open_sponsoring(self.global_params.numel())
+        self.sponsored = SponsoredPeer(self.sponsoring)
+        self.carried_for_others = 0  # sponsored contributions our rounds included
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -57,6 +67,10 @@ class DiLoCo(OuterAlgorithm):
         if not self._due(t):
             return None
         self.windows_pending += 1
+        sponsored, done = self.sponsored.at_window_end(trainer, self)
+        if sponsored:  # our link is too slow for rounds: our work travels through a sponsor (peerd/sponsored.py)
+            self.window_start = time.monotonic()
+            return done
         if self.windows_pending > MAX_PENDING_WINDOWS:
             # Rounds kept failing, or kept answering "behind" with nobody holding a better state: our pending work is
             # now longer than any owner accepts (its norm and its token weight both grow with it). Start over from
@@ -77,10 +91,16 @@ class DiLoCo(OuterAlgorithm):
         if self.feedback is not None:
             pseudo = self.feedback.compensate("params", pseudo.cpu())
         tokens = self.steps_pending * trainer.tokens_per_step
+        # Slow-link peers' work that reached us: it rides in our contribution, each part at its own weight
+        taken = self.sponsoring.take(step, float(torch.linalg.vector_norm(pending)))
+        pseudo, tokens = combine(pseudo, tokens, taken)
         t0 = time.perf_counter()
         try:
-            result = trainer.swarm.allreduce(step, pseudo, want_decoded=self.feedback is not None, tokens=tokens)
+            result = trainer.swarm.allreduce(
+                step, pseudo, want_decoded=self.feedback is not None, tokens=tokens, carries=[w.peer_id for w in taken]
+            )
         except Behind as exc:
+            self.sponsoring.settle(taken, None)
             trainer.add_idle(time.perf_counter() - t0)
             log.warning("step %d is already done in the swarm (now at %d): downloading state", step, exc.step)
             # The leader saw the newer state before gossip brought it here: give gossip a moment rather than train
@@ -91,11 +111,16 @@ class DiLoCo(OuterAlgorithm):
             return StepDone(trainer.outer_step)
         except RoundFailed as exc:
             # Keep our local progress and try again at the next outer step; never crash the peer.
+            self.sponsoring.settle(taken, None)
             trainer.add_idle(time.perf_counter() - t0)
             log.warning("outer step %d failed (%s); training on and retrying at the next outer step", step, exc)
             self.window_start = time.monotonic()
             return None
         trainer.add_idle(time.perf_counter() - t0)
+        self.sponsoring.settle(taken, step)
+        self.carried_for_others += len(taken)
+        if 0 < trainer.cfg.run.outer_steps <= step + 1:
+            self.sponsoring.close()  # our last round: work sent to us now would wait for a round we never run
         if self.feedback is not None:
             self.feedback.settle("params", pseudo, result.sent_decoded, result.average)
         self.outer.step(self.global_params, result.average)
@@ -140,6 +165,14 @@ class DiLoCo(OuterAlgorithm):
         self.discarded_steps += self.steps_pending
         self.steps_pending = self.windows_pending = self.carried_in_a_row = 0
         self.window_start = time.monotonic()
+
+    def sponsor_summary(self) -> dict[str, int]:
+        st = self.sponsored.stats
+        return {"sent": st.sent, "resent": st.resent, "steps": st.steps, "carried": self.carried_for_others}
+
+    def close(self) -> None:
+        self.sponsored.close()
+        self.sponsoring.close()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         momentum = self.outer.buffers.get(None)

@@ -259,6 +259,10 @@ class Membership:
                 out.append(pid)
         return sorted(out)
 
+    def sponsored(self) -> set[str]:
+        """Peers whose work comes through a sponsor (peerd/sponsor.py): not expected in rounds themselves."""
+        return {pid for pid, e in self.entries.items() if e.info.sponsor and not e.info.left}
+
     def at_address(self, address: str) -> pb.PeerInfo | None:
         """The live peer gossip says listens at `address` (the freshest one if several claim it)."""
         found = [e for e in self.entries.values() if e.info.address == address and not e.info.left]

@@ -36,6 +36,7 @@ class _Pending:
     tokens: dict[str, int] = field(default_factory=dict)  # each joiner's claimed tokens behind its contribution
     grace_armed: bool = False  # windowed runs: the straggler grace started (a majority joined)
     joined_at: dict[str, float] = field(default_factory=dict)  # monotonic time of each member's (first) join
+    carries: dict[str, list[str]] = field(default_factory=dict)  # member -> the sponsored peers its contribution holds
 
 
 class Behind(Exception):
@@ -93,10 +94,12 @@ class RendezvousLeader:
         behind_me: bool = False,
         lineage: bytes = b"",
         tokens: int = 0,
+        carries: list[str] | None = None,
     ) -> pb.RendezvousResponse:
         """Register `info` for the round and wait until its group closes. `behind_me`: the caller's state ranks
         below ours and our step is ahead of its step, so its round is already done (peerd/consistency.py).
-        `tokens`: the work behind the caller's contribution, its weight in the average."""
+        `tokens`: the work behind the caller's contribution, its weight in the average. `carries`: the sponsored
+        peers whose work rides in it (peerd/sponsor.py), named in the group so every member's record shows them."""
         self.newest_step = max(self.newest_step, step)
         if info.peer_id == self.membership.self_id and fragment < 0:
             # We moved on to `step` (a round, or a downloaded state): groups still open for earlier steps wait for a
@@ -133,6 +136,7 @@ class RendezvousLeader:
             pend.expected.add(info.peer_id)
             pend.joined[info.peer_id] = info
             pend.tokens[info.peer_id] = max(int(tokens), 0)
+            pend.carries[info.peer_id] = sorted(set(carries[:8]) - {info.peer_id}) if carries else []
             pend.joined_at.setdefault(info.peer_id, time.monotonic())
         if pend.expected <= set(pend.joined):
             self._close(key)
@@ -167,7 +171,7 @@ class RendezvousLeader:
             p.peer_id
             for p in m.alive()
             # peers at step-1 may have finished that round a moment ago without gossip saying so yet
-            if at(p) in (step - 1, step) and not p.left and not p.finished and not other_lineage(p)
+            if at(p) in (step - 1, step) and not p.left and not p.finished and not other_lineage(p) and not p.sponsor
         }
         pend = _Pending(
             key,
@@ -230,6 +234,7 @@ class RendezvousLeader:
             for p in m.alive()
             if ((self.my_step() if p.peer_id == m.self_id else m.step_of(p)) <= step or key[1] >= 0)
             and not (lineage and p.outer_step == step and p.state_digest and p.state_digest != lineage)
+            and not p.sponsor  # its work comes through its sponsor, whenever its link gets it there
         }
         pend.expected = {p for p in pend.expected if p in waiting} | set(pend.joined)
         if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:
@@ -261,6 +266,12 @@ class RendezvousLeader:
             leader=self.membership.self_id,
             tokens=capped_tokens([pend.tokens.get(p.peer_id, 0) for p in members]),
         )
+        ids = {p.peer_id for p in members}
+        for p in members:
+            for carried in pend.carries.get(p.peer_id, []):
+                if carried not in ids and carried not in group.carried:
+                    group.carried.append(carried)
+                    group.carried_by.append(p.peer_id)
         flagged = [p.peer_id for p in members if self.flagged(p.peer_id)]
         if len(flagged) < sum(not p.outbound_only for p in members):  # someone must still own shards
             group.no_shards.extend(flagged)
@@ -288,7 +299,7 @@ def round_entry(info: pb.PeerInfo) -> pb.PeerInfo:
 
 def round_id(run_id: bytes, group: pb.Group) -> bytes:
     """A round's id binds run, step, fragment, the leader's generation, the leader, the ordered member list, and the
-    weights, shard owners and part size the leader picked."""
+    weights, shard owners, part size and sponsored peers the leader picked."""
     h = hashlib.sha256(run_id)
     h.update(f"{group.step}/{group.fragment}/{group.attempt}/{group.leader}".encode())
     for m in group.members:
@@ -299,6 +310,10 @@ def round_id(run_id: bytes, group: pb.Group) -> bytes:
         h.update(b"no_shards:" + ",".join(group.no_shards).encode())
     if group.part_bytes:
         h.update(b"part_bytes:%d" % group.part_bytes)
+    if group.carried:
+        pairs = zip(group.carried, group.carried_by, strict=False)  # unequal lengths change the id: count them in
+        h.update(f"carried:{len(group.carried)}/{len(group.carried_by)}:".encode())
+        h.update(",".join(f"{c}<{b}" for c, b in pairs).encode())
     return h.digest()
 
 

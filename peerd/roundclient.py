@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -100,6 +100,7 @@ class RoundClient:
             behind,
             lineage,
             int(request.tokens),
+            list(request.carries),
         )
         resp = self.led_lists.answer(resp, bytes(request.members_base))
         form = resp.WhichOneof("result")
@@ -126,6 +127,7 @@ class RoundClient:
         avoid: set[str],
         failed_round: bytes,
         tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> pb.RendezvousResponse:
         """Find the round's leader and join its group. `avoid` (peers we blame on our own evidence) are skipped as
         leaders and named to the leader, which stops waiting for them."""
@@ -162,7 +164,7 @@ class RoundClient:
                 # any peer, and a hostile one named a different honest peer on each retry until the leader refused
                 # them all and closed a group of one (a fork, seen in CI).
                 return await self.d.leader.join(
-                    step, fragment, self.d.me, sorted(avoid | gone), failed_round, False, lineage, tokens
+                    step, fragment, self.d.me, sorted(avoid | gone), failed_round, False, lineage, tokens, list(carries)
                 )
             mine = self.d.my_claim()
             req = sign(
@@ -177,6 +179,7 @@ class RoundClient:
                     state_digest=mine.digest,
                     tokens=tokens,
                     members_base=self.my_list.digest,
+                    carries=list(carries),
                 ),
                 "Rendezvous",
                 self.d.identity,
@@ -338,11 +341,18 @@ class RoundClient:
         return self.d.channels.rounds(member.address, member)
 
     async def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> RoundResult:
         """Average `vector` over the round's group, weighted by `tokens` (the work behind it) when every member
         claimed some: each member scales its own contribution by tokens_i / mean(tokens), so the owners' plain mean
-        is the token-weighted mean and nothing on the wire changes."""
+        is the token-weighted mean and nothing on the wire changes. `carries`: sponsored peers whose work `vector`
+        holds (peerd/sponsor.py), named to the leader for every member's record."""
         # Peers we blame for a failed attempt on our own evidence: not asked to lead, and named to the leader (it
         # stops waiting for them). Another member's word ("aborted") is neither: a hostile member may name any peer.
         avoid: set[str] = set()
@@ -350,7 +360,7 @@ class RoundClient:
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens)
+            resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens, carries)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group
@@ -431,6 +441,8 @@ class RoundClient:
             # Done here: it stays registered while `watch` lingers (a lost owner's shard we hold may be asked for:
             # shard_relay.py), holding the averaged shards we received and nothing else (not `vector`).
             rnd.finished()
+            in_round = set(result.included)
+            result.carried = [c for c, by in zip(group.carried, group.carried_by, strict=False) if by in in_round]
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, list(result.included))  # not those that left mid-round
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)
@@ -499,17 +511,25 @@ class RoundClient:
         # partial, and a round of one is a solo step. NoLoCo's rounds are pairs by design and judged by their group
         # (recorded from the training thread, which never reads the table); it counts its own solo steps.
         run_level = self.d.cfg.run.algorithm in ("diloco", "streaming")
+        # Sponsored peers (peerd/sponsor.py) are in a round when a member carried their work, and otherwise not
+        # expected in it: their link brings their work every few rounds, by design.
+        sponsored = self.d.membership.sponsored() if run_level else set()
         expected = (
-            sorted(set(group.expected) | set(self.d.membership.expected())) if run_level else list(group.expected)
+            sorted((set(group.expected) | set(self.d.membership.expected())) - (sponsored - set(result.carried)))
+            if run_level
+            else list(group.expected)
         )
-        partial = result.partial or len(set(result.included)) < len(expected)
-        partial = partial or (run_level and self.d.alone.run_shrank_to_us(len(set(result.included))))
-        solo = len(set(result.included)) <= 1
+        included = [*result.included, *(c for c in result.carried if c not in result.included)]
+        # the leader's expected list may name a peer that turned sponsored as the group formed
+        left_out = set(group.expected) - set(included) - (sponsored - set(result.carried))
+        partial = bool(left_out) or len(set(included)) < len(expected)
+        partial = partial or (run_level and self.d.alone.run_shrank_to_us(len(set(included))))
+        solo = len(set(included)) <= 1
         solo_step = run_level and solo  # NoLoCo keeps its old accounting: a lost partner is a partial step
         summary = pb.RoundSummary(
             step=group.step,
             algorithm=self.d.cfg.run.algorithm,
-            included=result.included,
+            included=included,
             expected=expected,
             partial=partial,
             raw_bytes=s.raw_bytes,
@@ -517,7 +537,7 @@ class RoundClient:
             seconds=s.seconds,
             note=note,
             fragment=fragment,
-            tokens=included_tokens(group, result.included),
+            tokens=included_tokens(group, included),
             leader=group.leader,
             no_shards=list(group.no_shards),
             part_bytes=group.part_bytes,
@@ -528,16 +548,16 @@ class RoundClient:
         self.d.status.bytes_sent_wire += s.wire_bytes
         self.d.status.bytes_received_wire += s.received_wire_bytes
         if run_level:  # NoLoCo says "no partner ...; stepped alone" for each such step itself
-            self.note_alone(len(set(result.included)), len(expected))
+            self.note_alone(len(set(included)), len(expected))
         if solo_step:
             self.d.status.solo_steps += 1
         elif partial:
             self.d.status.rounds_partial += 1
-            missing = sorted(set(expected) - set(result.included))
+            missing = sorted(set(expected) - set(included))
             log.warning(
                 "step %d: PARTIAL round: averaged %d of %d expected peers (missing %s)",
                 group.step,
-                len(result.included),
+                len(included),
                 len(expected),
                 [m[:8] for m in missing],
             )
@@ -546,7 +566,7 @@ class RoundClient:
             outcome = "solo" if solo_step or (solo and not partial) else ("partial" if partial else "complete")
             m.record_round(
                 outcome,
-                peers=len(result.included),
+                peers=len(included),
                 total_seconds=s.seconds,
                 rendezvous_seconds=rendezvous_s,
                 exchange_seconds=max(s.seconds - rendezvous_s, 0.0),

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from peerd.membership import Membership
     from peerd.reachability import Reachability
     from peerd.roundclient import RoundClient
+    from peerd.sponsor import SponsorDesk
     from peerd.startbarrier import StartBarrier
     from peerd.statesync import StateSnapshot
 
@@ -178,8 +180,13 @@ class RoundsService(rpc.RoundsServicer):
         cfg: RunConfig,
         barrier: StartBarrier,
         count_sent: Callable[[str, int, int], None],
+        desk: Callable[[], SponsorDesk | None] = lambda: None,
+        executor: Executor | None = None,
     ) -> None:
+        """`desk()`: where sponsored work goes (None until a DiLoCo trainer opened one)."""
         self.count_sent = count_sent
+        self.desk = desk
+        self.executor = executor
         self.checks = checks
         self.membership = membership
         self.rounds = rounds
@@ -267,6 +274,53 @@ class RoundsService(rpc.RoundsServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))
         except TimeoutError:
             await context.abort(grpc.StatusCode.ABORTED, "round timed out")
+
+    async def Sponsor(
+        self, request_iterator: AsyncIterator[pb.TensorMessage], context: grpc.aio.ServicerContext
+    ) -> pb.SponsorResponse:
+        """Hold a slow-link peer's pseudo-gradient for our next round (peerd/sponsor.py) and answer once that round
+        included it. Checked like a Reduce stream; the sender's upload may take many seconds, its chunks not."""
+        desk = self.desk()
+        if desk is None:
+            await self.checks.refuse(
+                context, "not_sponsor", grpc.StatusCode.FAILED_PRECONDITION,
+                "Sponsor: this peer runs no DiLoCo rounds to carry sponsored work in; choose another sponsor",
+            )  # fmt: skip
+        it = paced(request_iterator, self.checks.limits.read_timeout).__aiter__()
+        try:
+            first = await it.__anext__()
+            if first.WhichOneof("part") != "header":
+                raise StreamError("malformed", "Sponsor: stream must start with a header")
+            sender = verify_header(self.checks.verifier, first.header)
+            key = f"key:{sender}"
+            self.checks.limits.check_rate(key)
+            if self.membership.get(sender) is None:
+                await self.checks.refuse(
+                    context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Sponsor: unknown peer; Join first"
+                )
+            busy = desk.accepting(sender)
+            if busy:
+                await self.checks.refuse(
+                    context, "sponsor_busy", grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sponsor: {busy}"
+                )
+            with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
+                work = await desk.receive(prepend(first, it), self.checks.verifier, self.executor, sender)
+        except StopAsyncIteration:
+            await self.checks.refuse(context, "truncated", grpc.StatusCode.INVALID_ARGUMENT, "Sponsor: empty stream")
+        except LimitExceeded as exc:
+            await self.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sponsor: {exc}")
+        except (StreamError, CodecError) as exc:
+            reason = getattr(exc, "reason", "malformed")
+            code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
+            await self.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"{exc}")
+        desk.hold(work)
+        log.info("holding %s's sponsored work (from step %d) for our next round", work.peer_id[:8], work.base_step)
+        left = context.time_remaining()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(work.answer), None if left is None else max(left - 1, 0))
+        except (TimeoutError, asyncio.CancelledError):
+            desk.withdraw(work)  # its sender stopped waiting: it will send this work again, elsewhere
+            raise
 
     async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchResponse:
         sender = await self.checks.verify(request, "Match", context)

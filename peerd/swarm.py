@@ -15,24 +15,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from peerd import statefetch
-from peerd.allreduce import RoundResult
+from peerd.allreduce import RoundFailed, RoundResult
 from peerd.consistency import Claim
 from peerd.matchmaking import GrpcTransport
 from peerd.membership import copy_peer
 from peerd.pair_exchange import PairSettings
 from peerd.pairing import Pairing, PairOutcome
 from peerd.relay import RelayTransport, pair_targets
+from peerd.sponsor import SponsorDesk, SponsoredWork, choose_sponsor
+from peerd.sponsor import upload as sponsor_upload
 from peerd.statesync import StateSnapshot
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
     from peerd.daemon import Daemon
+
+log = logging.getLogger("peerd")
 
 
 class PairPort(Protocol):
@@ -52,15 +57,41 @@ class PairPort(Protocol):
     def close(self) -> None: ...
 
 
+class SponsorPort(Protocol):
+    """DiLoCo's sponsored contributions (peerd/sponsor.py), both roles."""
+
+    def target(self) -> str:
+        """The peer to send our work through when the swarm flags our link slow ("" otherwise, or when nobody can
+        carry it); gossips our choice, so leaders stop waiting for us (or wait again: "")."""
+
+    def upload(self, sponsor: str, vector: torch.Tensor, base_step: int, tokens: int) -> concurrent.futures.Future:
+        """Send our pseudo-gradient to `sponsor`; the future's result is its pb.SponsorResponse."""
+
+    def take(self, step: int, own_norm: float) -> list[SponsoredWork]:
+        """Sponsored work our round for `step` carries; `own_norm` is our own pseudo-gradient's (the screen)."""
+
+    def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
+        """Our round with `taken` completed at `included_step`, or failed (None: hold them for the next)."""
+
+    def close(self) -> None: ...
+
+
 class Swarm(Protocol):
     """What an outer algorithm may ask of the swarm."""
 
     def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> RoundResult:
         """Average `vector` with the peers ready for `step` (and `fragment`), weighted by the `tokens` behind each
-        contribution when every member gives some (0: unweighted). Raises rendezvous.Behind when the swarm is past
-        `step`, allreduce.RoundFailed when the round could not complete."""
+        contribution when every member gives some (0: unweighted). `carries`: sponsored peers whose work `vector`
+        holds. Raises rendezvous.Behind when the swarm is past `step`, allreduce.RoundFailed when the round could not
+        complete."""
 
     def allreduce_async(
         self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
@@ -92,6 +123,9 @@ class Swarm(Protocol):
 
     def open_pairing(self, numel: int) -> PairPort:
         """NoLoCo: this peer's matchmaking and exchange endpoint for flat tensors of `numel` values."""
+
+    def open_sponsoring(self, numel: int) -> SponsorPort:
+        """DiLoCo: carry slow-link peers' work in our rounds, and send ours through a sponsor when our link is slow."""
 
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
@@ -134,6 +168,65 @@ class _DaemonPairing:
         loop = self.daemon.loop
         if loop is not None and loop.is_running():
             asyncio.run_coroutine_threadsafe(self.engine.close(), loop).result(10)
+
+
+class _DaemonSponsoring:
+    """SponsorPort on the daemon: the desk is shared with the Rounds service, which fills it."""
+
+    def __init__(self, daemon: Daemon, desk: SponsorDesk) -> None:
+        self.daemon = daemon
+        self.desk = desk
+
+    def target(self) -> str:
+        d = self.daemon
+
+        async def pick() -> str:  # on the loop, which owns the table
+            me = d.identity.peer_id
+            wanted = (
+                d.cfg.outer.slow_link == "sponsor"
+                and d.timing.is_flagged(me)
+                and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
+            )
+            chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged) if wanted else None
+            pid = chosen.peer_id if chosen is not None else ""
+            if pid != d.me.sponsor:
+                if pid:
+                    log.warning(
+                        "this peer's link is too slow for the swarm's rounds: sending our work through sponsor %s "
+                        "instead; rounds no longer wait for us (outer.slow_link)",
+                        pid[:8],
+                    )
+                elif d.me.sponsor:
+                    log.info("back in the swarm's rounds (no sponsor needed or available)")
+                d.me.sponsor = pid
+            return pid
+
+        return d.call(pick(), timeout=10.0)
+
+    def upload(self, sponsor: str, vector: torch.Tensor, base_step: int, tokens: int) -> concurrent.futures.Future:
+        d = self.daemon
+        assert d.loop is not None
+
+        async def send() -> pb.SponsorResponse:
+            info = d.membership.get(sponsor)
+            if info is None or d.channels is None:
+                raise RoundFailed(f"sponsor {sponsor[:8]} is not in our table")
+            net = d.cfg.network
+            return await sponsor_upload(
+                d.channels.rounds(info.address, info), d.identity, d.run_id, d.codec, vector, base_step, tokens,
+                3 * net.rendezvous_timeout + net.round_timeout, net.chunk_bytes, d.executor,
+            )  # fmt: skip
+
+        return asyncio.run_coroutine_threadsafe(send(), d.loop)
+
+    def take(self, step: int, own_norm: float) -> list[SponsoredWork]:
+        return self.desk.take(step, own_norm)
+
+    def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
+        self.desk.settle(taken, included_step)
+
+    def close(self) -> None:
+        self.desk.close()
 
 
 def _with_known_steps(daemon: Daemon) -> list[pb.PeerInfo]:
@@ -184,9 +277,15 @@ class DaemonSwarm:
         self.daemon = daemon
 
     def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> RoundResult:
-        return self.daemon.allreduce(step, vector, fragment, want_decoded, tokens)
+        return self.daemon.allreduce(step, vector, fragment, want_decoded, tokens, carries)
 
     def allreduce_async(
         self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
@@ -228,6 +327,11 @@ class DaemonSwarm:
         engine = pair_session(self.daemon, numel)
         self.daemon.pairing = engine
         return _DaemonPairing(self.daemon, engine)
+
+    def open_sponsoring(self, numel: int) -> SponsorPort:
+        d = self.daemon
+        d.sponsor_desk = SponsorDesk(numel, d.codec, d.cfg.robust.max_norm_ratio)
+        return _DaemonSponsoring(d, d.sponsor_desk)
 
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0

@@ -15,6 +15,7 @@ _KINDS = {
     "pair": pb.TENSOR_KIND_PAIR,
     "mix": pb.TENSOR_KIND_MIX,
     "relay": pb.TENSOR_KIND_RELAY,
+    "sponsored": pb.TENSOR_KIND_SPONSORED,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 

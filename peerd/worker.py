@@ -229,7 +229,8 @@ class Worker:
         # DiLoCo replaces the weights every outer step and AdamW copes; a jump of 2+ outer steps (a late joiner, a
         # restart) or onto a diverged state leaves the moments describing other weights: re-warm (inner.rewarm_steps)
         steps = self.cfg.rewarm_steps
-        if steps > 0 and (jump >= 2 or why == "fork"):
+        # A sponsored peer (peerd/sponsored.py) keeps its own weights on top of the state it adopts: its moments fit.
+        if steps > 0 and (jump >= 2 or why == "fork") and why != "sponsored":
             rewarm(self.opt, self.sched, steps)
             self.rewarms += 1
             log.info(
@@ -501,6 +502,9 @@ class Worker:
             # DiLoCo's uneven-peer accounting: inner steps whose work went into a later round, or was dropped
             "carried_steps": getattr(self.algorithm, "carried_steps", 0),
             "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),
+            # DiLoCo's slow-link accounting (peerd/sponsor.py): our uploads a sponsor's round included, and the
+            # sponsored contributions our own rounds carried for others
+            "sponsored": getattr(self.algorithm, "sponsor_summary", dict)(),
             "tokens_per_step": self.tokens_per_step,
             "procs_per_peer": self.ranks.world if self.ranks is not None else 1,
             # the swarm's timing verdicts (peerd/timings.py) as this peer last saw them, and when each began

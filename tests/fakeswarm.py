@@ -28,6 +28,23 @@ def group_of(step: int, ids: Sequence[str], fragment: int = -1) -> pb.Group:
     return pb.Group(round_id=b"r%d" % step, step=step, members=members, expected=list(ids), fragment=fragment)
 
 
+class FakeSponsoring:
+    """Nobody is flagged and nothing is sponsored (peerd/sponsor.py has its own tests)."""
+
+    def target(self) -> str:
+        return ""
+
+    def upload(self, sponsor: str, vector: torch.Tensor, base_step: int, tokens: int) -> concurrent.futures.Future:
+        raise AssertionError("FakeSponsoring never names a sponsor")
+
+    def take(self, step: int, own_norm: float) -> list:
+        return []
+
+    def settle(self, taken: list, included_step: int | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class FakeSwarm:
     """Each round averages our vector with `others(step, fragment, vector)` (the other peers' contributions; none:
@@ -49,7 +66,13 @@ class FakeSwarm:
     failures: list[str] = field(default_factory=list)
 
     def allreduce(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> RoundResult:
         from peerd.rendezvous import Behind
 
@@ -101,6 +124,9 @@ class FakeSwarm:
 
     def open_pairing(self, numel: int) -> FakePairing:
         return FakePairing(self)
+
+    def open_sponsoring(self, numel: int) -> FakeSponsoring:
+        return FakeSponsoring()
 
     def record_round(self, group: pb.Group, result: RoundResult, fragment: int, note: str = "",
                      rendezvous_s: float = 0.0) -> None:  # fmt: skip

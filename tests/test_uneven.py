@@ -51,7 +51,8 @@ def test_a_slow_peer_is_flagged_from_its_timings_and_stops_leading_and_owning(tm
     """C4-style detection with fixed H: the 3x+ slower peer joins every rendezvous late; the others flag it within
     3 outer steps, it is told why in one line, and from then on it neither leads nor owns a shard (it still
     contributes: every round includes it)."""
-    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    # outer.slow_link = "wait": the flagged peer stays in rounds (test_sponsor.py has the default, sponsoring)
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10, outer__slow_link="wait")
     ids_in_order(tmp_path, 4)  # the slow peer0 has the lowest id: it leads until it is flagged
     swarm = Swarm(tmp_path, 4, cfg)
     try:
@@ -83,7 +84,8 @@ def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path
     """Peers in network namespaces, one of them on a tbf-shaped link 10x slower both ways: its contributions reach
     the shard owners late round after round, the others flag it slow within 3 outer steps and it stops owning a
     shard (which took every other peer's bytes over its slow link), while it still contributes to every round."""
-    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    # outer.slow_link = "wait": the flagged peer stays in rounds (test_sponsor.py has the default, sponsoring)
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10, outer__slow_link="wait")
     # The slow peer has the lowest id, so it leads until it is flagged: the handover to the next leader is part of
     # the test (with a random id it was, one run in eight; a fast peer then missed a step, sent to the old leader by
     # a peer still finishing the round that flagged it)
@@ -154,7 +156,8 @@ def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> No
 def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) -> None:
     """PEERD_FAULT_UPLINK_MBIT (no root needed): one peer's upload paced to a few Mbit/s on loopback makes every
     round wait for its bytes; the others flag it slow, and it stops owning a shard."""
-    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10)
+    # outer.slow_link = "wait": the flagged peer stays in rounds (test_sponsor.py has the default, sponsoring)
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10, outer__slow_link="wait")
     swarm = Swarm(tmp_path, 4, cfg)
     try:
         swarm.peers.append(swarm.spawn(0, None, wait_peers=4))

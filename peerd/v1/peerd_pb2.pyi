@@ -27,6 +27,7 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_PAIR: _ClassVar[TensorKind]
     TENSOR_KIND_MIX: _ClassVar[TensorKind]
     TENSOR_KIND_RELAY: _ClassVar[TensorKind]
+    TENSOR_KIND_SPONSORED: _ClassVar[TensorKind]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
@@ -42,6 +43,7 @@ TENSOR_KIND_PHI: TensorKind
 TENSOR_KIND_PAIR: TensorKind
 TENSOR_KIND_MIX: TensorKind
 TENSOR_KIND_RELAY: TensorKind
+TENSOR_KIND_SPONSORED: TensorKind
 
 class Auth(_message.Message):
     __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
@@ -60,7 +62,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays", "slow", "faulty", "phase_ms")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "outbound_only", "relay", "relays", "slow", "faulty", "phase_ms", "sponsor")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class PeerInfo(_message.Message):
     SLOW_FIELD_NUMBER: _ClassVar[int]
     FAULTY_FIELD_NUMBER: _ClassVar[int]
     PHASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SPONSOR_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     public_key: bytes
     address: str
@@ -103,7 +106,8 @@ class PeerInfo(_message.Message):
     slow: _containers.RepeatedScalarFieldContainer[str]
     faulty: _containers.RepeatedScalarFieldContainer[str]
     phase_ms: int
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ..., phase_ms: _Optional[int] = ...) -> None: ...
+    sponsor: str
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ..., phase_ms: _Optional[int] = ..., sponsor: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
@@ -318,7 +322,7 @@ class OuterStepRecord(_message.Message):
     def __init__(self, outer_step: _Optional[int] = ..., loss: _Optional[float] = ..., eval_loss: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens", "declined", "members_base")
+    __slots__ = ("auth", "step", "attempt", "suspects", "fragment", "failed_round", "work", "state_digest", "tokens", "declined", "members_base", "carries")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +334,7 @@ class RendezvousRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECLINED_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_BASE_FIELD_NUMBER: _ClassVar[int]
+    CARRIES_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     step: int
     attempt: int
@@ -341,10 +346,11 @@ class RendezvousRequest(_message.Message):
     tokens: int
     declined: _containers.RepeatedScalarFieldContainer[str]
     members_base: bytes
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ..., members_base: _Optional[bytes] = ...) -> None: ...
+    carries: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., failed_round: _Optional[bytes] = ..., work: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., tokens: _Optional[int] = ..., declined: _Optional[_Iterable[str]] = ..., members_base: _Optional[bytes] = ..., carries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms", "part_bytes")
+    __slots__ = ("round_id", "step", "attempt", "members", "expected", "fragment", "leader", "tokens", "no_shards", "join_lag_ms", "part_bytes", "carried", "carried_by")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +362,8 @@ class Group(_message.Message):
     NO_SHARDS_FIELD_NUMBER: _ClassVar[int]
     JOIN_LAG_MS_FIELD_NUMBER: _ClassVar[int]
     PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_BY_FIELD_NUMBER: _ClassVar[int]
     round_id: bytes
     step: int
     attempt: int
@@ -367,7 +375,9 @@ class Group(_message.Message):
     no_shards: _containers.RepeatedScalarFieldContainer[str]
     join_lag_ms: _containers.RepeatedScalarFieldContainer[int]
     part_bytes: int
-    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ..., part_bytes: _Optional[int] = ...) -> None: ...
+    carried: _containers.RepeatedScalarFieldContainer[str]
+    carried_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ..., part_bytes: _Optional[int] = ..., carried: _Optional[_Iterable[str]] = ..., carried_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group", "behind", "redirect", "delta")
@@ -392,7 +402,7 @@ class GroupDelta(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., base: _Optional[bytes] = ..., dropped: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask", "to_incarnation")
+    __slots__ = ("auth", "round_id", "shard", "numel", "wire_bytes", "included", "codec", "kind", "part", "included_mask", "to_incarnation", "base_step", "tokens")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +414,8 @@ class TensorHeader(_message.Message):
     PART_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_MASK_FIELD_NUMBER: _ClassVar[int]
     TO_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     round_id: bytes
     shard: int
@@ -415,7 +427,9 @@ class TensorHeader(_message.Message):
     part: int
     included_mask: bytes
     to_incarnation: int
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ..., included_mask: _Optional[bytes] = ..., to_incarnation: _Optional[int] = ...) -> None: ...
+    base_step: int
+    tokens: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., round_id: _Optional[bytes] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., kind: _Optional[_Union[TensorKind, str]] = ..., part: _Optional[int] = ..., included_mask: _Optional[bytes] = ..., to_incarnation: _Optional[int] = ..., base_step: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TensorTrailer(_message.Message):
     __slots__ = ("digest", "signature")
@@ -458,6 +472,14 @@ class MatchResponse(_message.Message):
     step: int
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SponsorResponse(_message.Message):
+    __slots__ = ("included_step", "reason")
+    INCLUDED_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    included_step: int
+    reason: str
+    def __init__(self, included_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("auth", "peers")

@@ -357,6 +357,11 @@ class RoundsStub:
                 request_serializer=peerd_dot_v1_dot_peerd__pb2.StartRequest.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peerd__pb2.StartResponse.FromString,
                 _registered_method=True)
+        self.Sponsor = channel.stream_unary(
+                '/peerd.v1.Rounds/Sponsor',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.SponsorResponse.FromString,
+                _registered_method=True)
 
 
 class RoundsServicer:
@@ -422,6 +427,18 @@ class RoundsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sponsor(self, request_iterator, context):
+        """Sponsored contributions (peerd/sponsor.py): a peer whose link cannot carry a round within a window streams its
+        whole pseudo-gradient (header kind SPONSORED, numel = the model's, the run's codec; chunks; trailer) to a live,
+        unflagged peer, which adds it to its own contribution in its next round. Answered once that round completed
+        (included_step = its step) or the sponsor gave it up (included_step = -1, reason). Deadline: the caller's, at
+        least 3 x rendezvous_timeout. FAILED_PRECONDITION: not a DiLoCo run, or the caller is not in the table;
+        RESOURCE_EXHAUSTED: the sponsor carries as many peers as it will; INVALID_ARGUMENT: sizes, codec frame, NaN/Inf.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoundsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -449,6 +466,11 @@ def add_RoundsServicer_to_server(servicer, server):
                     servicer.Start,
                     request_deserializer=peerd_dot_v1_dot_peerd__pb2.StartRequest.FromString,
                     response_serializer=peerd_dot_v1_dot_peerd__pb2.StartResponse.SerializeToString,
+            ),
+            'Sponsor': grpc.stream_unary_rpc_method_handler(
+                    servicer.Sponsor,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.SponsorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -586,6 +608,33 @@ class Rounds:
             '/peerd.v1.Rounds/Start',
             peerd_dot_v1_dot_peerd__pb2.StartRequest.SerializeToString,
             peerd_dot_v1_dot_peerd__pb2.StartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sponsor(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/peerd.v1.Rounds/Sponsor',
+            peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.SponsorResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,157 @@
+"""The sponsored peer's side of DiLoCo: train on while our work travels to a sponsor, then catch up without losing any.
+
+A peer the swarm flagged slow for its link (peerd/sponsor.py says why) no longer joins rounds. At each window's end
+it does what its link allows, and never waits for it:
+
+1. nothing in flight: snapshot its pseudo-gradient (global - local) and upload it to its sponsor, in the background;
+2. the upload is in flight: train on;
+3. the sponsor answered that its round for step S included the work: download the state of step S + 1 or newer, in
+   the background, and train on;
+4. the state arrived: adopt it, and put the work done since the snapshot back on top (local = new global - work
+   since), so no inner step is lost; then back to 1.
+
+Staleness is the price: the work joins the global some rounds after the state it started from (the uploads and the
+download take that long on the slow link). An upload the sponsor could not place ("stale": based too far back;
+"closing"; a sponsor that died) is not lost either: the peer downloads the newest state, keeps all its pending work on
+top, and contributes it afresh.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from peerd.algorithm import StepDone, Trainer
+from peerd.allreduce import RoundFailed
+from peerd.swarm import SponsorPort
+
+log = logging.getLogger("peerd")
+
+
+@dataclass
+class SponsoredStats:
+    """What sponsoring did, for summary.json and status."""
+
+    sent: int = 0  # uploads the sponsor's round included
+    resent: int = 0  # uploads that had to go again (sponsor lost, stale, refused)
+    steps: int = 0  # inner steps behind the included uploads
+
+
+class SponsoredPeer:
+    """The state machine above. `global_params` and the model belong to the DiLoCo algorithm that drives it."""
+
+    def __init__(self, port: SponsorPort) -> None:
+        self.port = port
+        self.upload: concurrent.futures.Future | None = None
+        self.fetch: concurrent.futures.Future | None = None
+        self.sent_from: torch.Tensor | None = None  # our local weights when we took the uploaded snapshot
+        self.sent_steps = 0  # inner steps behind the upload in flight
+        self.sponsor = ""
+        self.stats = SponsoredStats()
+        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight or a state on its way: the sponsored cycle must finish before any round of our own."""
+        return self.upload is not None or self.fetch is not None or self.sent_from is not None
+
+    def at_window_end(self, trainer: Trainer, algo: DiLoCoLike) -> tuple[bool, StepDone | None]:
+        """One look at the cycle at the end of a training window; never blocks on the network. Returns whether we
+        are sponsored (False: DiLoCo joins the round itself) and the outer step an adopted state took us to."""
+        if self.fetch is not None:
+            return True, (self._adopt(trainer, algo) if self.fetch.done() else None)
+        if self.upload is not None:
+            if self.upload.done():
+                self._answered(trainer, algo)
+            return True, None
+        if self.sent_from is not None:  # an answered upload whose state download failed: ask again
+            self._start_fetch(trainer, algo, trainer.outer_step + 1)
+            return True, None
+        sponsor = self.port.target()
+        if not sponsor:
+            if self.sponsor:  # back in rounds: the work since our last snapshot goes into the next one, as one window
+                self.sponsor = ""
+                algo.windows_pending = 1
+            return False, None  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again
+        self.sponsor = sponsor
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        pseudo = algo.global_params.to(local.device) - local
+        windows = max(algo.windows_pending, 1)
+        # One window's weight: a contribution k windows long already moves the weights k times as far (sponsor.py)
+        tokens = algo.steps_pending * trainer.tokens_per_step // windows
+        self.sent_from = local.clone()
+        self.sent_steps = algo.steps_pending
+        algo.steps_pending = algo.windows_pending = 0
+        self.upload = self.port.upload(sponsor, pseudo.cpu(), trainer.outer_step, max(tokens, 1))
+        return True, None
+
+    def _answered(self, trainer: Trainer, algo: DiLoCoLike) -> None:
+        assert self.upload is not None
+        try:
+            resp = self.upload.result()
+        except (RoundFailed, grpc.aio.AioRpcError, ValueError, TimeoutError) as exc:
+            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            resp = None
+            log.warning("sponsor %s did not take our work (%s): downloading the swarm's state, keeping the work",
+                        self.sponsor[:8], why)  # fmt: skip
+        self.upload = None
+        if resp is not None and resp.included_step >= 0:
+            self.stats.sent += 1
+            self.stats.steps += self.sent_steps
+            log.info("our work (%d inner steps) is in the swarm's round for step %d, via sponsor %s",
+                     self.sent_steps, resp.included_step, self.sponsor[:8])  # fmt: skip
+            self._start_fetch(trainer, algo, resp.included_step + 1)
+            return
+        if resp is not None:
+            log.warning("sponsor %s gave our work back (%s): downloading the swarm's state, keeping the work",
+                        self.sponsor[:8], resp.reason)  # fmt: skip
+        # Not included: every step since the snapshot's base is still ours to contribute.
+        self.stats.resent += 1
+        self.sent_from = algo.global_params.clone()
+        algo.steps_pending += self.sent_steps
+        self.sent_steps = 0
+        self._start_fetch(trainer, algo, trainer.outer_step)
+
+    def _start_fetch(self, trainer: Trainer, algo: DiLoCoLike, min_step: int) -> None:
+        if self._fetcher is None:
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-sponsored")
+        shapes = {k: tuple(v.shape) for k, v in algo.state_tensors().items()}
+        timeout = trainer.cfg.network.round_timeout
+        self.fetch = self._fetcher.submit(trainer.swarm.fetch_state, min_step, shapes, timeout, False)
+
+    def _adopt(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
+        assert self.fetch is not None and self.sent_from is not None
+        try:
+            snap = self.fetch.result()
+        except (RoundFailed, TimeoutError) as exc:
+            log.warning("could not download the swarm's state (%s); trying again next window", exc)
+            self.fetch = None
+            return None
+        self.fetch = None
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        since = self.sent_from.to(local.device) - local  # the work we did while our upload travelled
+        if snap.step < trainer.outer_step:
+            return None  # an older state than ours (a peer lagging behind served it): keep ours, ask again
+        trainer.adopt(snap, "sponsored")
+        trainer.layout.unflatten_into(algo.global_params.to(local.device) - since, trainer.model)
+        self.sent_from = None
+        return StepDone(trainer.outer_step)
+
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
+
+
+class DiLoCoLike(Protocol):
+    """What SponsoredPeer reads and resets of the DiLoCo algorithm (peerd/diloco.py)."""
+
+    global_params: torch.Tensor
+    steps_pending: int
+    windows_pending: int
+
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
