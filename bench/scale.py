@@ -222,6 +222,16 @@ def _report(
         detect += mine
         if watching and len(mine) * 2 >= watching:
             half.append(sorted(mine)[(watching + 1) // 2 - 1])
+    # A live peer counted out: a "lost" line in the window for a peer not killed in the 60 s before it
+    killed_at: dict[str, list[float]] = {}
+    for at, pid in kills:
+        killed_at.setdefault(pid, []).append(at)
+    false_losses = 0
+    for log in logs.values():
+        for line in log.splitlines():
+            m = LOST.match(line)
+            if m and m[3] == "lost" and t0 <= (t := _ts(m[1])) <= t1:
+                false_losses += not any(at <= t <= at + 60 for at in killed_at.get(m[2], []))
     rounds = len(steps)
     return {
         "peers": n,
@@ -250,6 +260,7 @@ def _report(
         "half_detect_s_max": round(max(half), 2) if half else None,
         "detections": len(detect),
         "detect_missed": missed,
+        "false_losses": false_losses,
         "peer_timeout": PEER_TIMEOUT,
     }
 
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"detect {row['detect_s_median']}/{row['detect_s_p90']}/{row['detect_s_max']} s (median/p90/max) over "
                 f"{row['detections']} observations, {row['detect_missed']} observers silent past 2x the timeout "
                 f"(timeout {row['peer_timeout']}), half the swarm knew after {row['half_detect_s_median']} s "
-                f"(worst kill {row['half_detect_s_max']} s)",
+                f"(worst kill {row['half_detect_s_max']} s), {row['false_losses']} live peers counted lost",
                 flush=True,
             )
 

@@ -9,7 +9,8 @@ on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inn
 
 - `uniform`: 4 equal peers, fixed H (the reference, and the "no false flags" check)
 - `wait`: the slow peer in, fixed H: every round waits for it (today's DiLoCo)
-- `drop`: the 3 fast peers only, fixed H: nobody waits, the slow peer's compute is not used
+- `drop`: the 3 fast peers only, fixed H: nobody waits, the slow peer's compute is not used (a 4th process trains
+  alone in a run of its own, so the 3 get the same share of this machine's CPU as in the 4-peer scenarios)
 - `window`: the slow peer in, `inner.window_s` = H x the fast step: as many steps as fit, token-weighted rounds,
   late work carried (`outer.late_work = "carry"`); `window-discard`: the same, late work dropped
 - `straggle-carry` / `straggle-discard`: a straggler whose every inner step takes `--straggle-frac` (0.4) of a
@@ -19,7 +20,7 @@ Link family (root: network namespaces with tbf, bench/slowlink.py): one peer's l
 others' (`--link-mbit`):
 
 - `uniform-net`: 4 equal links (the reference); `drop-net`: the 3 fast peers only (nobody waits, the slow peer's
-  compute is not used)
+  compute is not used; a 4th process trains alone, as in `drop`)
 - `slowlink-wait`: fixed H, `outer.slow_link = "wait"`: every round waits for the slow link (DiLoCo before sponsors)
 - `slowlink`: fixed H, the default `outer.slow_link = "sponsor"`: once flagged, the slow peer sends its work through
   a sponsor (peerd/sponsor.py) and no round waits for it; `slowlink-window`: the same with `inner.window_s`
@@ -63,6 +64,9 @@ class Scenario:
     window_s: float = 0.0
     late_work: str = "carry"
     slow_link: str = "sponsor"
+    # Start one more peer that trains alone in a run of its own: the dropped peer still uses its share of this
+    # machine's 2 cores, so the others do not train faster than in the 4-peer scenarios (each real peer has its own)
+    cpu_twin: bool = False
     link_mbit: list[float] | None = None  # per-peer link rates (link family), None: loopback
 
 
@@ -134,6 +138,16 @@ def run(args: argparse.Namespace, sc: Scenario, workdir: Path, seed: int) -> lis
                     boot = _wait_file(data / "address", procs[0], 120)
             for i, p in enumerate(procs):
                 _wait_file(workdir / f"peer{i}" / "address", p, 120)
+            if sc.cpu_twin:
+                twin_cfg = config(args, sc, seed)
+                twin_cfg["run"]["name"] = "uneven-twin"
+                (workdir / "twin.toml").write_text(to_toml(twin_cfg))
+                data = workdir / "twin"
+                data.mkdir(exist_ok=True)
+                cmd = _peer_cmd(workdir / "twin.toml", data, "127.0.0.1:0", SLOW, 1, None)
+                log = open(data / "log", "ab")  # noqa: SIM115 - the child owns it
+                env = {**os.environ, "PYTHONPATH": str(REPO)}
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
             time.sleep(args.wall)
         finally:
             stop_processes(procs)
@@ -195,7 +209,7 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
         out += [
             Scenario("uniform", PEERS, None),
             Scenario("wait", PEERS, slow_env),
-            Scenario("drop", PEERS - 1, None),
+            Scenario("drop", PEERS - 1, None, cpu_twin=True),
             Scenario("window", PEERS, slow_env, window_s=window),
         ]
         if not args.quick:
@@ -210,7 +224,7 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
         rates = [fast] * (PEERS - 1) + [slow]
         out += [
             Scenario("uniform-net", PEERS, None, link_mbit=[fast] * PEERS),
-            Scenario("drop-net", PEERS - 1, None, link_mbit=[fast] * (PEERS - 1)),
+            Scenario("drop-net", PEERS - 1, None, link_mbit=[fast] * (PEERS - 1), cpu_twin=True),
             Scenario("slowlink-wait", PEERS, None, slow_link="wait", link_mbit=rates),
             Scenario("slowlink", PEERS, None, link_mbit=rates),
             Scenario("slowlink-window", PEERS, None, window_s=window, link_mbit=rates),

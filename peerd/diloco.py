@@ -64,6 +64,11 @@ class DiLoCo(OuterAlgorithm):
 
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
         self.steps_pending += 1
+        if self.sponsored.busy:  # each phase of the sponsored cycle starts as soon as the one before it is done
+            done = self.sponsored.poll(trainer, self)
+            if done is not None:
+                self.window_start = time.monotonic()
+                return done
         if not self._due(t):
             return None
         self.windows_pending += 1

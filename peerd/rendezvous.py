@@ -130,7 +130,8 @@ class RendezvousLeader:
             for pid in pend.refused:
                 pend.joined.pop(pid, None)
         pend.expected -= pend.refused
-        live = {p.peer_id for p in self.membership.alive()}  # ours is the evidence that counts: a dead peer drops out
+        live = {p.peer_id for p in self.membership.alive() if not p.sponsor}  # ours is the evidence that counts: a
+        # dead peer drops out, and so does one that turned sponsored (its work comes through its sponsor)
         pend.expected = {p for p in pend.expected if p in live or p in pend.joined}
         if info.peer_id not in pend.refused:
             pend.expected.add(info.peer_id)
@@ -200,6 +201,12 @@ class RendezvousLeader:
             pend.joined.clear()
             self._close(key)
             return
+        sponsored = self.membership.sponsored()
+        if pend.expected & sponsored:  # it turned sponsored while we waited for it: its sponsor brings its work
+            pend.expected -= sponsored - set(pend.joined)
+            if pend.joined and pend.expected <= set(pend.joined):
+                self._close(key)
+                return
         asyncio.get_running_loop().call_later(self._watch_s(), self._watch, key, pend)
 
     def _swarm_went_on(self, step: int, joined: int) -> bool:

@@ -60,6 +60,18 @@ class SponsoredPeer:
         """Work in flight or a state on its way: the sponsored cycle must finish before any round of our own."""
         return self.upload is not None or self.fetch is not None or self.sent_from is not None
 
+    def poll(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
+        """After any inner step: move the cycle on when its network part finished (an answered upload starts the
+        download; a downloaded state is adopted and the next upload starts), without waiting for the window's end."""
+        if self.fetch is not None and self.fetch.done():
+            done = self._adopt(trainer, algo)
+            if done is not None and self.sent_from is None:
+                self._start_upload(trainer, algo)
+            return done
+        if self.upload is not None and self.upload.done():
+            self._answered(trainer, algo)
+        return None
+
     def at_window_end(self, trainer: Trainer, algo: DiLoCoLike) -> tuple[bool, StepDone | None]:
         """One look at the cycle at the end of a training window; never blocks on the network. Returns whether we
         are sponsored (False: DiLoCo joins the round itself) and the outer step an adopted state took us to."""
@@ -72,12 +84,16 @@ class SponsoredPeer:
         if self.sent_from is not None:  # an answered upload whose state download failed: ask again
             self._start_fetch(trainer, algo, trainer.outer_step + 1)
             return True, None
+        return self._start_upload(trainer, algo), None
+
+    def _start_upload(self, trainer: Trainer, algo: DiLoCoLike) -> bool:
+        """Snapshot our pending work and send it to our sponsor; False when we need none (any more)."""
         sponsor = self.port.target()
         if not sponsor:
             if self.sponsor:  # back in rounds: the work since our last snapshot goes into the next one, as one window
                 self.sponsor = ""
                 algo.windows_pending = 1
-            return False, None  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again
+            return False  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again
         self.sponsor = sponsor
         local = trainer.layout.flatten(trainer.model).detach().float()
         pseudo = algo.global_params.to(local.device) - local
@@ -88,7 +104,7 @@ class SponsoredPeer:
         self.sent_steps = algo.steps_pending
         algo.steps_pending = algo.windows_pending = 0
         self.upload = self.port.upload(sponsor, pseudo.cpu(), trainer.outer_step, max(tokens, 1))
-        return True, None
+        return True
 
     def _answered(self, trainer: Trainer, algo: DiLoCoLike) -> None:
         assert self.upload is not None
