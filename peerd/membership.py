@@ -16,7 +16,6 @@ Other threads read the immutable `View` published by `snapshot()`.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ class Entry:
     last_sent: float = 0.0  # when we last put it in a gossip message (bounded messages go round-robin)
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
-    min_lag_ms: float = math.inf  # the fastest delivery seen: our wall clock minus its heartbeat_ms (offset + latency)
 
 
 @dataclass(frozen=True)
@@ -103,20 +101,6 @@ class Membership:
     def bump(self) -> None:
         """Advance our own heartbeat; called once per gossip interval."""
         self.me.heartbeat += 1
-        self.me.heartbeat_ms = int(time.time() * 1000)
-
-    def _advanced_at(self, entry: Entry | None, info: pb.PeerInfo, now: float) -> float:
-        """When `info`'s heartbeat advanced, in our monotonic clock: `now`, back-dated by how much later than the
-        fastest delivery we ever saw from this peer it reaches us (a busy loop handles gossip late; a heartbeat that
-        came over several gossip hops is old). Back-dating is bounded by half of peer_timeout, so a peer's clock
-        that jumps cannot by itself make a live peer look dead. The fastest delivery (the peer's clock offset plus
-        the least latency) may rise by 1 ms a delivery, so a clock that drifts is followed."""
-        if not info.heartbeat_ms or entry is None:
-            return now
-        lag = time.time() * 1000 - info.heartbeat_ms
-        entry.min_lag_ms = min(entry.min_lag_ms + 1.0, lag)
-        late_s = (lag - entry.min_lag_ms) / 1000
-        return now - min(max(late_s, 0.0), self.peer_timeout / 2)
 
     def signed_self(self) -> pb.PeerInfo:
         """Our own entry, re-signed if anything in it changed since the last signature."""
@@ -145,19 +129,15 @@ class Membership:
                 self.forged += 1
                 continue
             if cur is None:
-                entry = Entry(copy_peer(info), now, now)
-                self._advanced_at(entry, info, now)  # the first delivery only sets the offset
-                self.entries[pid] = entry
+                self.entries[pid] = Entry(copy_peer(info), now, now)
                 new.append(pid)
             else:
                 if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
-                if info.incarnation != cur.info.incarnation:
-                    cur.min_lag_ms = math.inf  # a new process: its clock may be another machine's
                 cur.info = copy_peer(info)
-                cur.last_advance = max(cur.last_advance, self._advanced_at(cur, info, now))
+                cur.last_advance = now
                 cur.unreachable_until = 0.0
         return new
 

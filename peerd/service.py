@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import grpc
 
@@ -310,9 +310,7 @@ class RoundsService(rpc.RoundsServicer):
         except LimitExceeded as exc:
             await self.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sponsor: {exc}")
         except (StreamError, CodecError) as exc:
-            reason = getattr(exc, "reason", "malformed")
-            code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
-            await self.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"{exc}")
+            await self._refuse_stream(context, "", exc)
         desk.hold(work)
         log.info("holding %s's sponsored work (from step %d) for our next round", work.peer_id[:8], work.base_step)
         left = context.time_remaining()
@@ -321,6 +319,14 @@ class RoundsService(rpc.RoundsServicer):
         except (TimeoutError, asyncio.CancelledError):
             desk.withdraw(work)  # its sender stopped waiting: it will send this work again, elsewhere
             raise
+
+    async def _refuse_stream(
+        self, context: grpc.aio.ServicerContext, prefix: str, exc: StreamError | CodecError
+    ) -> NoReturn:
+        """A malformed tensor stream, or one from a sender we refuse (banned, not admitted), with its reason."""
+        reason = getattr(exc, "reason", "malformed")
+        code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
+        await self.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"{prefix}{exc}")
 
     async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchResponse:
         sender = await self.checks.verify(request, "Match", context)
@@ -336,9 +342,7 @@ class RoundsService(rpc.RoundsServicer):
             async for msg in self.pair.serve_exchange(bounded):
                 yield msg
         except (StreamError, CodecError) as exc:
-            reason = getattr(exc, "reason", "malformed")
-            code = grpc.StatusCode.PERMISSION_DENIED if reason in ("banned", "not_admitted") else None
-            await self.checks.refuse(context, reason, code or grpc.StatusCode.INVALID_ARGUMENT, f"Exchange: {exc}")
+            await self._refuse_stream(context, "Exchange: ", exc)
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"exchange failed: {exc}")
 
