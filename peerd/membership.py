@@ -261,7 +261,8 @@ class Membership:
 
     def sponsored(self) -> set[str]:
         """Peers whose work comes through a sponsor (peerd/sponsor.py): not expected in rounds themselves."""
-        return {pid for pid, e in self.entries.items() if e.info.sponsor and not e.info.left}
+        out = {pid for pid, e in self.entries.items() if e.info.sponsor and not e.info.left}
+        return out | {self.me.peer_id} if self.me.sponsor else out
 
     def at_address(self, address: str) -> pb.PeerInfo | None:
         """The live peer gossip says listens at `address` (the freshest one if several claim it)."""

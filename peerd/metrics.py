@@ -241,6 +241,20 @@ class PeerMetrics:
         )
         for form in ("delta", "whole"):
             self.rendezvous_answers.labels(form=form)
+        self.sponsored = Gauge(
+            "peerd_sponsored",
+            "1 while this peer's link is too slow for rounds and its work goes through a sponsor (peerd/sponsor.py).",
+            registry=registry,
+        )
+        self.sponsored_contributions = Counter(
+            "peerd_sponsored_contributions",
+            "Sponsored contributions in completed rounds, by role: sent (ours, through a sponsor) or carried (a slow "
+            "peer's, in our contribution).",
+            ["role"],
+            registry=registry,
+        )
+        for role in ("sent", "carried"):
+            self.sponsored_contributions.labels(role=role)
         self.relayed_bytes = Counter(
             "peerd_relayed_bytes",
             "Bytes this peer relayed between other peers (outbound-only peers).",

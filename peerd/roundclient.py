@@ -83,7 +83,7 @@ class RoundClient:
         me = self.d.identity.peer_id
         lagging = request.step > self.d.status.outer_step + 1
         excluded = (set(request.suspects) | set(request.declined[:64])) - {me}
-        if lagging:
+        if lagging or self.d.me.sponsor:  # a sponsored peer joins no round (peerd/sponsor.py): it leads none either
             excluded.add(me)
         leader = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in excluded])
         if leader is not None and leader.peer_id != me and (leader.peer_id < me or me in self.no_lead or lagging):
@@ -109,9 +109,10 @@ class RoundClient:
         return resp
 
     def _first_leader(self, peers: list[pb.PeerInfo]) -> pb.PeerInfo | None:
-        """The lowest-id peer of `peers` (in id order) that may lead: dialable, and not flagged slow or faulty in our
-        last round (peerd/timings.py) unless every dialable one is."""
-        able = [p for p in peers if dialable(p)]
+        """The lowest-id peer of `peers` (in id order) that may lead: dialable, not sponsored (it joins no round, and
+        its link is the slow one), and not flagged slow or faulty in our last round (peerd/timings.py) unless every
+        dialable one is."""
+        able = [p for p in peers if dialable(p) and not p.sponsor] or [p for p in peers if dialable(p)]
         unflagged = [p for p in able if p.peer_id not in self.no_lead]
         return (unflagged or able or [None])[0]
 

@@ -129,6 +129,7 @@ def format_status(st: pb.StatusResponse) -> str:
         mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
         mark += ", outbound-only" if p.outbound_only else ""
         mark += f", FLAGGED {flags[p.peer_id]} (no leading, no shards)" if p.peer_id in flags else ""
+        mark += f", SPONSORED by {p.sponsor[:8]} (its work comes through it)" if p.sponsor else ""
         lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")
     if st.HasField("last_round"):
         r = st.last_round

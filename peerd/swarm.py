@@ -199,6 +199,8 @@ class _DaemonSponsoring:
                 elif d.me.sponsor:
                     log.info("back in the swarm's rounds (no sponsor needed or available)")
                 d.me.sponsor = pid
+            if d.metrics is not None:
+                d.metrics.sponsored.set(1 if pid else 0)
             return pid
 
         return d.call(pick(), timeout=10.0)
@@ -212,10 +214,13 @@ class _DaemonSponsoring:
             if info is None or d.channels is None:
                 raise RoundFailed(f"sponsor {sponsor[:8]} is not in our table")
             net = d.cfg.network
-            return await sponsor_upload(
+            resp = await sponsor_upload(
                 d.channels.rounds(info.address, info), d.identity, d.run_id, d.codec, vector, base_step, tokens,
                 3 * net.rendezvous_timeout + net.round_timeout, net.chunk_bytes, d.executor,
             )  # fmt: skip
+            if resp.included_step >= 0 and d.metrics is not None:
+                d.metrics.sponsored_contributions.labels(role="sent").inc()
+            return resp
 
         return asyncio.run_coroutine_threadsafe(send(), d.loop)
 
@@ -224,6 +229,8 @@ class _DaemonSponsoring:
 
     def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
         self.desk.settle(taken, included_step)
+        if taken and included_step is not None and self.daemon.metrics is not None:
+            self.daemon.metrics.sponsored_contributions.labels(role="carried").inc(len(taken))
 
     def close(self) -> None:
         self.desk.close()

@@ -165,3 +165,31 @@ def test_a_leader_the_swarm_went_past_closes_empty_rather_than_train_alone() -> 
         assert all(r.WhichOneof("result") == "group" for r in got)
 
     asyncio.run(main())
+
+
+def test_the_leader_does_not_wait_for_a_sponsored_peer_and_names_whose_work_rides_along() -> None:
+    """peerd/sponsor.py: a peer whose gossip names a sponsor is not expected in rounds (its work comes through the
+    sponsor), also when it turns sponsored while a group already waits for it; the group names the carried peer and
+    its carrier, bound into the round id."""
+    from peerd.rendezvous import round_id
+
+    async def main() -> None:
+        m, (lead, a, b, slow) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=30.0, my_step=lambda: 0)
+        joins = [asyncio.ensure_future(leader.join(0, -1, who, [])) for who in (lead, a)]
+        await asyncio.sleep(0.2)
+        assert not any(j.done() for j in joins)  # b and the slow peer are still expected
+        turned = pb.PeerInfo()
+        turned.CopyFrom(slow)
+        turned.heartbeat, turned.sponsor = 2, a.peer_id
+        m.merge([turned])  # it turns sponsored while the group waits
+        joins.append(asyncio.ensure_future(leader.join(0, -1, b, [], carries=[slow.peer_id, b.peer_id])))
+        got = await asyncio.wait_for(asyncio.gather(*joins), 5.0)  # closes without waiting out the 30 s deadline
+        group = got[0].group
+        assert slow.peer_id not in [x.peer_id for x in group.members]
+        assert list(group.carried) == [slow.peer_id] and list(group.carried_by) == [b.peer_id]  # not itself
+        assert group.round_id == round_id(b"run", group)
+        group.carried_by[0] = a.peer_id
+        assert round_id(b"run", group) != bytes(got[0].group.round_id)
+
+    asyncio.run(main())

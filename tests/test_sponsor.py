@@ -118,3 +118,11 @@ def test_a_peer_on_a_10x_slower_link_is_sponsored(tmp_path: Path) -> None:
     with NetSwarm(tmp_path, 4, cfg, rate_mbit=[20.0, 20.0, 20.0, 2.0]) as swarm:
         swarm.wait_exit(300)
     _check_sponsored_run(swarm.peers, 3)
+
+
+def test_status_marks_a_sponsored_peer() -> None:
+    from peerd.status import format_status
+
+    slow = pb.PeerInfo(peer_id="b" * 32, address="10.0.0.2:7000", sponsor="c" * 32)
+    st = pb.StatusResponse(peer_id="a" * 32, peers=[slow], alive=["b" * 32])
+    assert "alive, SPONSORED by cccccccc (its work comes through it)" in format_status(st)
