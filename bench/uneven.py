@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -82,6 +84,27 @@ class Outcome:
     partial_rounds: int
     flagged_at_step: float | None  # median over fast peers; None: never flagged
     false_flags: int  # peers flagged other than the slow one
+    steady_idle: float | None = None  # fast peers' idle from outer step 3 on (after the flag, when there is one)
+
+
+STEP_LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \|.*\| round ([\d.]+)s$")
+STEADY_FROM = 3  # the slow peer is flagged at outer step 1-2: rounds after the third show the steady state
+
+
+def steady_idle(log: str) -> float | None:
+    """The share of wall time a peer spent in rounds from outer step STEADY_FROM on, from its step lines (each
+    says when the step ended and how long its round took): what the rounds cost once any outlier is flagged."""
+    rows = []
+    for line in log.splitlines():
+        m = STEP_LINE.match(line)
+        if m:
+            t = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            rows.append((int(m[2]), t, float(m[3])))
+    start = next((t for step, t, _ in rows if step == STEADY_FROM), None)
+    later = [(t, r) for step, t, r in rows if step > STEADY_FROM]
+    if start is None or not later:
+        return None
+    return sum(r for _, r in later) / (later[-1][0] - start)
 
 
 def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
@@ -163,6 +186,11 @@ def run(args: argparse.Namespace, sc: Scenario, workdir: Path, seed: int) -> lis
 def outcome(args: argparse.Namespace, sc: Scenario, workdir: Path, summaries: list[dict[str, Any]]) -> Outcome:
     slow_in = sc.slow_env is not None or (sc.link_mbit is not None and len(set(sc.link_mbit)) > 1)
     fast = [s for i, s in enumerate(summaries) if not (slow_in and i == SLOW)]
+    fast_logs = [
+        (workdir / f"peer{i}" / "log").read_text(errors="replace")
+        for i in range(len(summaries))
+        if not (slow_in and i == SLOW)
+    ]
     slow = summaries[SLOW] if slow_in and len(summaries) > SLOW else None
 
     def idle(s: dict[str, Any]) -> float:
@@ -191,6 +219,9 @@ def outcome(args: argparse.Namespace, sc: Scenario, workdir: Path, summaries: li
         partial_rounds=sum(s["rounds_partial"] for s in summaries),
         flagged_at_step=statistics.median(flagged) if len(flagged) * 2 > len(fast) else None,
         false_flags=false_flags,
+        steady_idle=statistics.median(v)
+        if (v := [x for x in (steady_idle(p) for p in fast_logs) if x is not None])
+        else None,
     )
 
 
@@ -272,8 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             work = root / f"{sc.name}-{rep}"
             res = outcome(args, sc, work, run(args, sc, work, seed=rep))
             results.setdefault(sc.name, []).append(res)
-            print(f"  {sc.name:<16} eval {res.eval_loss:.4f}  idle(fast) {res.fast_idle:.1%}  steps {res.outer_steps}"
-                  f"  discarded {res.discarded_share:.1%}  flagged@{res.flagged_at_step}", flush=True)  # fmt: skip
+            steady = "-" if res.steady_idle is None else f"{res.steady_idle:.1%}"
+            print(f"  {sc.name:<16} eval {res.eval_loss:.4f}  idle(fast) {res.fast_idle:.1%} (steady {steady})  steps "
+                  f"{res.outer_steps}  discarded {res.discarded_share:.1%}  flagged@{res.flagged_at_step}",
+                  flush=True)  # fmt: skip
     rows = []
     for name, outs in results.items():
         row = {"scenario": name}
@@ -287,11 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"step_s": step_s, "wall_s": args.wall, "repeats": args.repeats, "rows": rows}, indent=2))
     else:
-        print(f"\n{'scenario':<16} {'eval loss':>9} {'idle fast':>9} {'tok fast':>9} {'tok slow':>9} "
+        print(f"\n{'scenario':<16} {'eval loss':>9} {'idle fast':>9} {'steady':>7} {'tok fast':>9} {'tok slow':>9} "
               f"{'discard':>7} {'steps':>5} {'partial':>7} {'flag@':>5} {'false':>5}")  # fmt: skip
         for r in rows:
             flag = "-" if r["flagged_at_step"] is None else f"{r['flagged_at_step']:.0f}"
-            print(f"{r['scenario']:<16} {r['eval_loss']:>9.4f} {r['fast_idle']:>9.1%} {r['tokens_fast']:>9.0f} "
+            steady = "-" if r["steady_idle"] is None else f"{r['steady_idle']:.1%}"
+            print(f"{r['scenario']:<16} {r['eval_loss']:>9.4f} {r['fast_idle']:>9.1%} {steady:>7} "
+                  f"{r['tokens_fast']:>9.0f} "
                   f"{r['tokens_slow']:>9.0f} {r['discarded_share']:>7.1%} {r['outer_steps']:>5.0f} "
                   f"{r['partial_rounds']:>7.0f} {flag:>5} {r['false_flags']:>5.0f}")  # fmt: skip
         by = {r["scenario"]: r for r in rows}
@@ -304,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{by['uniform']['false_flags']:.0f}")  # fmt: skip
         if {"uniform-net", "drop-net", "slowlink-wait", "slowlink"} <= set(by):
             best = min(by["slowlink-wait"]["eval_loss"], by["drop-net"]["eval_loss"])
-            print(f"\nlink goals: fast peers idle <= 5% in 'slowlink': {by['slowlink']['fast_idle']:.1%} (uniform-net "
+            print(f"\nlink goals: fast peers idle <= 5% in 'slowlink': {by['slowlink']['fast_idle']:.1%}, from step "
+                  f"{STEADY_FROM} on {by['slowlink']['steady_idle']:.1%} (uniform-net "
                   f"{by['uniform-net']['fast_idle']:.1%}, slowlink-wait {by['slowlink-wait']['fast_idle']:.1%}); "
                   f"discarded 0%: {by['slowlink']['discarded_share']:.1%}; eval loss <= best of wait/drop "
                   f"({best:.4f}): {by['slowlink']['eval_loss']:.4f}")  # fmt: skip
