@@ -156,8 +156,10 @@ def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> No
 def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) -> None:
     """PEERD_FAULT_UPLINK_MBIT (no root needed): one peer's upload paced to a few Mbit/s on loopback makes every
     round wait for its bytes; the others flag it slow, and it stops owning a shard."""
-    # outer.slow_link = "wait": the flagged peer stays in rounds (test_sponsor.py has the default, sponsoring)
-    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=10, outer__slow_link="wait")
+    # outer.slow_link = "wait": the flagged peer stays in rounds (test_sponsor.py has the default, sponsoring).
+    # 30 inner steps: with 10, outer steps came every ~0.3 s, faster than verdicts travel by gossip on a loaded CI
+    # machine, and one peer saw the flag a step late (step 4); real outer steps take minutes.
+    cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=30, outer__slow_link="wait")
     swarm = Swarm(tmp_path, 4, cfg)
     try:
         swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
