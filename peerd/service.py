@@ -300,9 +300,10 @@ class RoundsService(rpc.RoundsServicer):
                 )
             busy = desk.accepting(sender)
             if busy:
-                await self.checks.refuse(
-                    context, "sponsor_busy", grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sponsor: {busy}"
+                code = (
+                    grpc.StatusCode.FAILED_PRECONDITION if "flags slow" in busy else grpc.StatusCode.RESOURCE_EXHAUSTED
                 )
+                await self.checks.refuse(context, "sponsor_refused", code, f"Sponsor: {busy}")
             with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
                 work = await desk.receive(prepend(first, it), self.checks.verifier, self.executor, sender)
         except StopAsyncIteration:

@@ -69,7 +69,17 @@ class SponsorDesk:
     """The sponsor's side: contributions arrive on the loop (`receive`), the training thread takes them into a round
     (`take`) and reports what became of them (`settle`). One held contribution per peer; thread-safe."""
 
-    def __init__(self, numel: int, codec: Codec, max_norm_ratio: float, max_peers: int = MAX_PEERS) -> None:
+    def __init__(
+        self,
+        numel: int,
+        codec: Codec,
+        max_norm_ratio: float,
+        max_peers: int = MAX_PEERS,
+        eligible: Callable[[str], bool] = lambda peer_id: True,
+    ) -> None:
+        """`eligible(peer_id)`: whether that peer may send its work through us (the daemon: flagged slow, and not
+        faulty, by the swarm)."""
+        self.eligible = eligible
         self.numel = numel
         self.codec = codec
         # The owners refuse a member whose contribution exceeds max_norm_ratio x theirs; ours holds the sponsored
@@ -85,6 +95,8 @@ class SponsorDesk:
 
     def accepting(self, peer_id: str) -> str:
         """Why we would not hold `peer_id`'s work now ("" if we would)."""
+        if not self.eligible(peer_id):
+            return "only a peer the swarm flags slow (and not faulty) may send its work through a sponsor"
         with self._lock:
             if peer_id in self._busy:
                 return "its previous contribution is in a round of ours right now; send again once answered"

@@ -27,7 +27,6 @@ import grpc
 import torch
 
 from peerd.algorithm import StepDone, Trainer
-from peerd.allreduce import RoundFailed
 from peerd.swarm import SponsorPort
 
 log = logging.getLogger("peerd")
@@ -110,8 +109,8 @@ class SponsoredPeer:
         assert self.upload is not None
         try:
             resp = self.upload.result()
-        except (RoundFailed, grpc.aio.AioRpcError, ValueError, TimeoutError) as exc:
-            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        except Exception as exc:  # refused, unreachable, cancelled at shutdown: never crash the trainer over it
+            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else (str(exc) or type(exc).__name__)
             resp = None
             log.warning("sponsor %s did not take our work (%s): downloading the swarm's state, keeping the work",
                         self.sponsor[:8], why)  # fmt: skip
@@ -144,7 +143,7 @@ class SponsoredPeer:
         assert self.fetch is not None and self.sent_from is not None
         try:
             snap = self.fetch.result()
-        except (RoundFailed, TimeoutError) as exc:
+        except Exception as exc:  # nobody serves it yet, or a download that failed its checks: try again
             log.warning("could not download the swarm's state (%s); trying again next window", exc)
             self.fetch = None
             return None

@@ -184,7 +184,7 @@ class _DaemonSponsoring:
             me = d.identity.peer_id
             wanted = (
                 d.cfg.outer.slow_link == "sponsor"
-                and d.timing.is_flagged(me)
+                and d.timing.flag_of(me) == "slow"  # not "faulty": a peer blamed for failed rounds stays in view
                 and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
             chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged) if wanted else None
@@ -337,7 +337,11 @@ class DaemonSwarm:
 
     def open_sponsoring(self, numel: int) -> SponsorPort:
         d = self.daemon
-        d.sponsor_desk = SponsorDesk(numel, d.codec, d.cfg.robust.max_norm_ratio)
+        # Only a peer the swarm flags slow (not faulty) needs a sponsor: anyone else keeps its work in plain view of
+        # the owners' screens, where bad data gets it banned
+        d.sponsor_desk = SponsorDesk(
+            numel, d.codec, d.cfg.robust.max_norm_ratio, eligible=lambda pid: d.timing.flag_of(pid) == "slow"
+        )
         return _DaemonSponsoring(d, d.sponsor_desk)
 
     def record_round(

@@ -56,6 +56,14 @@ def test_desk_holds_one_per_peer_answers_stale_and_gives_failed_work_back() -> N
     assert late.answer.result(0).reason == "closing"
 
 
+def test_only_a_peer_flagged_slow_may_be_sponsored() -> None:
+    """Anyone else keeps its work in plain view of the owners' screens (a corrupt peer turned sponsored once: its
+    faulty flag counted as a reason, and its work went round the screens that ban it)."""
+    desk = SponsorDesk(8, make_codec("fp32"), max_norm_ratio=10.0, eligible=lambda pid: pid == "slow")
+    assert desk.accepting("slow") == ""
+    assert "flags slow" in desk.accepting("faulty")
+
+
 def test_a_sponsor_is_dialable_unflagged_and_spread_by_hash() -> None:
     peers = [pb.PeerInfo(peer_id=f"p{i}") for i in range(6)]
     peers[0].outbound_only = True

@@ -432,7 +432,8 @@ class RoundsServicer:
         whole pseudo-gradient (header kind SPONSORED, numel = the model's, the run's codec; chunks; trailer) to a live,
         unflagged peer, which adds it to its own contribution in its next round. Answered once that round completed
         (included_step = its step) or the sponsor gave it up (included_step = -1, reason). Deadline: the caller's, at
-        least 3 x rendezvous_timeout. FAILED_PRECONDITION: not a DiLoCo run, or the caller is not in the table;
+        least 3 x rendezvous_timeout. FAILED_PRECONDITION: not a DiLoCo run, the caller is not in the table, or the
+        receiver does not see it flagged slow (and not faulty) by the swarm: only such a peer may be sponsored;
         RESOURCE_EXHAUSTED: the sponsor carries as many peers as it will; INVALID_ARGUMENT: sizes, codec frame, NaN/Inf.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
