@@ -13,9 +13,10 @@ from peerd.codecs import make_codec
 from peerd.sponsor import MAX_STALE, SponsorDesk, SponsoredWork, choose_sponsor, combine
 from peerd.v1 import peerd_pb2 as pb
 from tests.netswarm import NetSwarm
-from tests.swarm import Swarm, tiny_config
+from tests.swarm import tiny_config
 from tests.test_slowlink import needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
+from tests.test_uneven import run_with_a_slow_uplink
 
 
 def _work(peer: str, base: int, tokens: int = 10, n: int = 8) -> SponsoredWork:
@@ -104,17 +105,7 @@ def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Pa
     # Windows of 1 s: the slow peer's upload and download (2.2 and 4.5 s at 2 Mbit/s) span a few rounds, as they do
     # on real links; with the tiny model's sub-second rounds its work would arrive too stale to add
     cfg = tiny_config(tmp_path, run__outer_steps=20, inner__steps=10, inner__window_s=1.0)
-    swarm = Swarm(tmp_path, 4, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
-        boot = swarm.boot_address(0)
-        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
-        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
-        for p in swarm.peers:
-            p.wait_file("address")
-        swarm.wait_exit(300)
-    finally:
-        swarm.stop()
+    swarm = run_with_a_slow_uplink(tmp_path, cfg, 300)
     _check_sponsored_run(swarm.peers, 3)
 
 

@@ -110,6 +110,22 @@ def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path
     assert "this peer flagged slow by most of the swarm" in swarm.peers[3].log()
 
 
+def run_with_a_slow_uplink(tmp_path: Path, cfg: Path, timeout: float) -> Swarm:
+    """4 peers on loopback, the last one's upload paced to 2 Mbit/s (PEERD_FAULT_UPLINK_MBIT), run to the end."""
+    swarm = Swarm(tmp_path, 4, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
+        boot = swarm.boot_address(0)
+        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
+        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
+        for p in swarm.peers:
+            p.wait_file("address")
+        swarm.wait_exit(timeout)
+    finally:
+        swarm.stop()
+    return swarm
+
+
 def _rows(summary: dict, slow_id: str) -> str:
     """A summary's rounds in one line each, the slow peer as SLOW, for an assertion message that fits a CI log."""
     name = lambda pid: "SLOW" if pid == slow_id else pid[:6]  # noqa: E731
@@ -160,17 +176,7 @@ def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) 
     # 30 inner steps: with 10, outer steps came every ~0.3 s, faster than verdicts travel by gossip on a loaded CI
     # machine, and one peer saw the flag a step late (step 4); real outer steps take minutes.
     cfg = tiny_config(tmp_path, run__outer_steps=6, inner__steps=30, outer__slow_link="wait")
-    swarm = Swarm(tmp_path, 4, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
-        boot = swarm.boot_address(0)
-        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
-        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
-        for p in swarm.peers:
-            p.wait_file("address")
-        swarm.wait_exit(240)
-    finally:
-        swarm.stop()
+    swarm = run_with_a_slow_uplink(tmp_path, cfg, 240)
     assert_identical_globals([p.data_dir for p in swarm.peers])
     summaries = [p.summary() for p in swarm.peers]
     slow_id = summaries[3]["peer_id"]
