@@ -19,7 +19,7 @@ contribution with that ratio, so a hostile or very late upload can neither get i
 nor pull harder than a member may. A contribution many windows long is clipped too (counted, and logged).
 
 This module holds the wire side of both roles: `SponsorDesk` (the sponsor: hold, take, settle) and `upload` (the
-sponsored peer). The sponsored peer's training loop is in peerd/diloco.py.
+sponsored peer). The sponsored peer's training side is peerd/sponsored.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import hashlib
 import logging
 import math
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +57,6 @@ class SponsoredWork:
     tokens: int  # its weight: tokens per window of the work behind it
     vector: torch.Tensor  # float32, CPU, the model's size
     answer: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    received: float = field(default_factory=time.monotonic)
 
     def reply(self, included_step: int, reason: str = "") -> None:
         if not self.answer.done():
