@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import DataError, TokenData
+from trainer.data import STRIPE_TOKENS, DataError, TokenData
 
 
 def write_u16(path: Path, tokens: list[int]) -> Path:
@@ -106,24 +106,42 @@ def test_default_stdlib_data() -> None:
     assert again.fingerprint() == train.fingerprint() != evals.fingerprint()
 
 
-def test_shards_are_disjoint_and_inside_their_range(tmp_path: Path) -> None:
+def test_shards_are_disjoint_and_inside_their_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     n = 3000
     path = write_u16(tmp_path / "positions.bin", list(range(n)))  # token value == position
     data = TokenData.from_path(path, seq_len=10, vocab_size=n, eval_fraction=0.1)
+    assert [data.shard_spans(s, 3) for s in range(3)] == [[(0, 900)], [(900, 1800)], [(1800, 2700)]]
+    monkeypatch.setattr("trainer.data.STRIPE_TOKENS", 300)  # three stripes per shard
     num_shards = 3
     seen: list[set[int]] = []
     for shard in range(num_shards):
-        lo, hi = data.shard_bounds(shard, num_shards)
+        spans = data.shard_spans(shard, num_shards)
+        assert spans == [(shard * 300 + k * 900, shard * 300 + k * 900 + 300) for k in range(3)]
         gen = torch.Generator().manual_seed(shard)
         used: set[int] = set()
         for _ in range(20):
             x, y = data.batch(8, shard=shard, num_shards=num_shards, generator=gen)
-            values = torch.cat([x, y]).unique()
-            assert values.min() >= lo and values.max() < hi
-            used |= set(values.tolist())
+            for row in torch.cat([x, y[:, -1:]], dim=1).tolist():  # each window lies inside one stripe
+                assert any(lo <= row[0] and row[-1] < hi for lo, hi in spans), row
+            used |= set(torch.cat([x, y]).unique().tolist())
         seen.append(used)
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
-    assert [data.shard_bounds(s, 3) for s in range(3)] == [(0, 900), (900, 1800), (1800, 2700)]
+
+
+def test_shards_interleave_in_stripes_across_the_whole_stream(tmp_path: Path) -> None:
+    """A stream sorted by file name is not shuffled: every shard samples all of it, in equal stripes."""
+    n = 4 * STRIPE_TOKENS * 2 + 1000  # more than two stripes' worth per shard
+    path = write_u16(tmp_path / "stripes.bin", [i * 3 // n for i in range(n)])  # token == which third
+    data = TokenData.from_path(path, seq_len=16, vocab_size=3, eval_fraction=0.001)
+    spans = [data.shard_spans(s, 4) for s in range(4)]
+    assert len({len(s) for s in spans}) == 1 and len(spans[0]) == 3
+    assert len({hi - lo for s in spans for lo, hi in s}) == 1  # equal stripes
+    flat = sorted(x for s in spans for x in s)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(flat))  # disjoint
+    gen = torch.Generator().manual_seed(0)
+    for shard in range(4):
+        x, _ = data.batch(2000, shard=shard, num_shards=4, generator=gen)
+        assert set(x[:, 0].tolist()) == {0, 1, 2}  # every third of the stream, not one
 
 
 def test_batches_follow_the_generator(text_dir: Path) -> None:

@@ -21,6 +21,7 @@ from torch import Tensor
 TEXT_SUFFIXES = frozenset({".py", ".txt", ".md", ".rst"})
 TOKEN_SUFFIXES = frozenset({".bin", ".u16"})
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+STRIPE_TOKENS = 1 << 16  # shards interleave in stripes of this many tokens (see TokenData.shard_spans)
 SPLITS = ("train", "eval")
 # Directories under the stdlib path that are not the stdlib (they differ between machines) or are caches.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -120,6 +121,7 @@ class TokenData:
         self.tokens = torch.frombuffer(self._buffer, dtype=dtype)
         self.seq_len = seq_len
         self.split = split
+        self._shard_starts: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.source = source
 
     @classmethod
@@ -196,12 +198,24 @@ class TokenData:
         h.update(self._buffer)
         return h.hexdigest()
 
-    def shard_bounds(self, shard: int, num_shards: int) -> tuple[int, int]:
-        """[lo, hi) token range of ``shard``: a contiguous 1/num_shards of disjoint from others."""
+    def shard_spans(self, shard: int, num_shards: int) -> list[tuple[int, int]]:
+        """[lo, hi) token ranges of ``shard``: every num_shards-th stripe of the stream, disjoint from other shards.
+
+        Striped rather than one contiguous 1/num_shards: a directory read in name order is not shuffled (the stdlib's
+        ``encodings/`` code tables fill one sixteenth of it), and a contiguous cut would hand one peer a shard unlike
+        the rest of the corpus. Equal stripes of at most ``STRIPE_TOKENS`` tokens give every shard a sample of the
+        whole stream.
+        """
         if num_shards < 1 or not 0 <= shard < num_shards:
             raise DataError(f"need 0 <= shard < num_shards, got shard={shard}, num_shards={num_shards}")
-        per = len(self) // num_shards
-        return shard * per, (shard + 1) * per
+        n = len(self)
+        # Every shard gets `periods` equal stripes (one shard: the whole stream).
+        periods = 1 if num_shards == 1 else max(1, -(-n // (STRIPE_TOKENS * num_shards)))
+        stripe = n // (num_shards * periods)
+        if stripe <= self.seq_len:
+            raise DataError(f"{n // num_shards} tokens per shard are too few for windows of seq_len + 1 = "
+                            f"{self.seq_len + 1}; use fewer data.num_shards or more data")  # fmt: skip
+        return [(lo, lo + stripe) for lo in range(shard * stripe, n - stripe + 1, stripe * num_shards)]
 
     def batch(
         self, batch_size: int, *, shard: int, num_shards: int, generator: torch.Generator
@@ -209,8 +223,17 @@ class TokenData:
         """Random int64 CPU windows [B, T] from this peer's shard; y is x shifted left by one token."""
         if batch_size < 1:
             raise DataError(f"batch_size must be positive, got {batch_size}")
-        lo, hi = self.shard_bounds(shard, num_shards)
-        return self._windows(lo, hi, batch_size, generator)
+        key = (shard, num_shards)
+        if key not in self._shard_starts:  # computed once per shard: stripe offsets and window-start counts
+            spans = self.shard_spans(shard, num_shards)
+            counts = torch.tensor([hi - lo - self.seq_len for lo, hi in spans], dtype=torch.int64)
+            ends = counts.cumsum(0)
+            los = torch.tensor([lo for lo, _ in spans], dtype=torch.int64)
+            self._shard_starts[key] = (ends, los - (ends - counts))
+        ends, offset = self._shard_starts[key]
+        # Every valid window start in the shard is equally likely; a window never crosses a stripe's end.
+        pick = torch.randint(0, int(ends[-1]), (batch_size,), generator=generator)
+        return self._gather(offset[torch.searchsorted(ends, pick, right=True)] + pick)
 
     def eval_batches(self, batch_size: int, n: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
         """``n`` batches from the whole split, drawn by a generator seeded with ``seed``: equal on peers."""
@@ -225,6 +248,9 @@ class TokenData:
         span = hi - lo - self.seq_len  # number of valid window starts
         if span < 1:
             raise DataError(f"{hi - lo} tokens are too few for windows of seq_len + 1 = {self.seq_len + 1}")
-        starts = torch.randint(lo, lo + span, (batch_size,), generator=gen)
+        return self._gather(torch.randint(lo, lo + span, (batch_size,), generator=gen))
+
+    def _gather(self, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """The (x, y) windows of seq_len + 1 tokens that begin at ``starts``."""
         windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].to(torch.int64)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
