@@ -95,7 +95,7 @@ class DataSection:
     domain: str = ""  # ensembles: the name of this expert's data domain (reported by `peerd ensemble-eval`)
     tokenizer: str = ""  # a tokenizers tokenizer.json: text becomes its uint16 ids, not bytes (trainer/tokenize.py)
     batch_size: int = 8
-    num_shards: int = 16  # the train stream is cut in this many shards; each peer reads its own
+    num_shards: int = 16  # the train stream is cut in this many striped shards; each peer reads its own
     eval_batches: int = 4
 
 
@@ -504,7 +504,7 @@ path = ""                 # directory of text files or a uint16 token file; "" =
 factory = ""              # "package.module:factory" for your own data (see README)
 tokenizer = ""            # a tokenizers tokenizer.json: text is trained as its ids (pip install 'peerd[hf]')
 batch_size = 8
-num_shards = 16           # the train stream is split into this many shards; each peer reads its own
+num_shards = 16           # the train stream is split into this many striped shards; each peer reads its own
 eval_batches = 4          # held-out batches for the eval loss after each outer step
 
 [inner]
