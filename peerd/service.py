@@ -298,12 +298,10 @@ class RoundsService(rpc.RoundsServicer):
                 await self.checks.refuse(
                     context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Sponsor: unknown peer; Join first"
                 )
-            busy = desk.accepting(sender)
-            if busy:
-                code = (
-                    grpc.StatusCode.FAILED_PRECONDITION if "flags slow" in busy else grpc.StatusCode.RESOURCE_EXHAUSTED
-                )
-                await self.checks.refuse(context, "sponsor_refused", code, f"Sponsor: {busy}")
+            refusal = desk.accepting(sender)
+            if refusal is not None:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if refusal.later else grpc.StatusCode.FAILED_PRECONDITION
+                await self.checks.refuse(context, "sponsor_refused", code, f"Sponsor: {refusal.text}")
             with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
                 work = await desk.receive(prepend(first, it), self.checks.verifier, self.executor, sender)
         except StopAsyncIteration:

@@ -48,6 +48,15 @@ MAX_PEERS = 4  # sponsored peers one sponsor carries at a time: each adds a mode
 MAX_STALE = 16  # outer steps a sponsored contribution's base may lag the round it joins; older: rebase first
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a sponsor will not hold a peer's work. `later`: the same upload may succeed once this sponsor has room
+    (RESOURCE_EXHAUSTED); otherwise the sender is not one a sponsor may carry at all (FAILED_PRECONDITION)."""
+
+    text: str
+    later: bool = False
+
+
 @dataclass
 class SponsoredWork:
     """One sponsored peer's pseudo-gradient, held for the sponsor's next round."""
@@ -87,20 +96,21 @@ class SponsorDesk:
         self._held: dict[str, SponsoredWork] = {}
         self._busy: set[str] = set()  # peers whose work is in a round of ours right now
         self._lock = threading.Lock()
-        self.included = 0  # sponsored contributions our rounds included (summary.json, metrics)
         self.clipped = 0  # sponsored contributions scaled down to what the owners accept of us
         self.closed = False  # our last round is done: nothing we hold will be included by us
 
-    def accepting(self, peer_id: str) -> str:
-        """Why we would not hold `peer_id`'s work now ("" if we would)."""
+    def accepting(self, peer_id: str) -> Refusal | None:
+        """Why we would not hold `peer_id`'s work now (None if we would)."""
         if not self.eligible(peer_id):
-            return "only a peer the swarm flags slow (and not faulty) may send its work through a sponsor"
+            return Refusal("only a peer the swarm flags slow (and not faulty) may send its work through a sponsor")
         with self._lock:
             if peer_id in self._busy:
-                return "its previous contribution is in a round of ours right now; send again once answered"
+                return Refusal(
+                    "its previous contribution is in a round of ours right now; send again once answered", True
+                )
             if peer_id not in self._held and len(self._held) + len(self._busy) >= self.max_peers:
-                return f"this peer already sponsors {self.max_peers} peers; choose another sponsor"
-        return ""
+                return Refusal(f"this peer already sponsors {self.max_peers} peers; choose another sponsor", True)
+        return None
 
     async def receive(
         self,
@@ -178,7 +188,6 @@ class SponsorDesk:
                     self._held[w.peer_id] = w
         if included_step is not None:
             for w in taken:
-                self.included += 1
                 w.reply(included_step)
 
     def close(self) -> None:

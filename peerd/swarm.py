@@ -184,7 +184,7 @@ class _DaemonSponsoring:
             me = d.identity.peer_id
             wanted = (
                 d.cfg.outer.slow_link == "sponsor"
-                and d.timing.flag_of(me) == "slow"  # not "faulty": a peer blamed for failed rounds stays in view
+                and d.timing.may_be_sponsored(me)
                 and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
             chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged) if wanted else None
@@ -337,11 +337,7 @@ class DaemonSwarm:
 
     def open_sponsoring(self, numel: int) -> SponsorPort:
         d = self.daemon
-        # Only a peer the swarm flags slow (not faulty) needs a sponsor: anyone else keeps its work in plain view of
-        # the owners' screens, where bad data gets it banned
-        d.sponsor_desk = SponsorDesk(
-            numel, d.codec, d.cfg.robust.max_norm_ratio, eligible=lambda pid: d.timing.flag_of(pid) == "slow"
-        )
+        d.sponsor_desk = SponsorDesk(numel, d.codec, d.cfg.robust.max_norm_ratio, eligible=d.timing.may_be_sponsored)
         return _DaemonSponsoring(d, d.sponsor_desk)
 
     def record_round(

@@ -242,3 +242,8 @@ class SwarmTimings:
     def flag_of(self, peer_id: str) -> str:
         """'slow', 'faulty' or '' for status lines."""
         return FAULTY if peer_id in self.flagged[FAULTY] else SLOW if peer_id in self.flagged[SLOW] else ""
+
+    def may_be_sponsored(self, peer_id: str) -> bool:
+        """Flagged slow and not faulty: only such a peer sends its work through a sponsor. A peer blamed for failed
+        rounds keeps its contributions in plain view of the owners' screens, where bad data gets it banned."""
+        return self.flag_of(peer_id) == SLOW

@@ -11,6 +11,7 @@ import torch
 
 from peerd.codecs import make_codec
 from peerd.sponsor import MAX_STALE, SponsorDesk, SponsoredWork, choose_sponsor, combine
+from peerd.timings import FAULTY, SLOW, SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 from tests.netswarm import NetSwarm
 from tests.swarm import tiny_config
@@ -41,7 +42,8 @@ def test_desk_holds_one_per_peer_answers_stale_and_gives_failed_work_back() -> N
     desk.hold(old)
     taken = desk.take(MAX_STALE + 1, 0.0)  # b's base is MAX_STALE + 1 steps back: too old to add
     assert [w.peer_id for w in taken] == ["a"] and old.answer.result(0).reason == "stale"
-    assert "in a round of ours" in desk.accepting("a")
+    refusal = desk.accepting("a")
+    assert refusal is not None and refusal.later and "in a round of ours" in refusal.text
     desk.settle(taken, None)  # the round failed: a's work waits for the next one
     again = desk.take(MAX_STALE + 2, 0.0)
     assert again == [second]
@@ -60,9 +62,14 @@ def test_desk_holds_one_per_peer_answers_stale_and_gives_failed_work_back() -> N
 def test_only_a_peer_flagged_slow_may_be_sponsored() -> None:
     """Anyone else keeps its work in plain view of the owners' screens (a corrupt peer turned sponsored once: its
     faulty flag counted as a reason, and its work went round the screens that ban it)."""
-    desk = SponsorDesk(8, make_codec("fp32"), max_norm_ratio=10.0, eligible=lambda pid: pid == "slow")
-    assert desk.accepting("slow") == ""
-    assert "flags slow" in desk.accepting("faulty")
+    timings = SwarmTimings(pb.PeerInfo(peer_id="me"))
+    timings.flagged[SLOW].update({"slow", "both"})
+    timings.flagged[FAULTY].add("both")
+    desk = SponsorDesk(8, make_codec("fp32"), max_norm_ratio=10.0, eligible=timings.may_be_sponsored)
+    assert desk.accepting("slow") is None
+    for pid in ("both", "healthy"):
+        refusal = desk.accepting(pid)
+        assert refusal is not None and not refusal.later and "flags slow" in refusal.text
 
 
 def test_a_sponsor_is_dialable_unflagged_and_spread_by_hash() -> None:
