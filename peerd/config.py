@@ -126,6 +126,9 @@ class OuterSection:
     # DiLoCo: a peer the swarm flags slow for its link: "sponsor" stops joining rounds and sends its work through a
     # sponsor (peerd/sponsor.py), so no round waits for its link; "wait": it stays in every round
     slow_link: str = "sponsor"
+    # sponsored contributions before a sponsored peer rejoins rounds for a few windows, to see whether its link
+    # recovered (doubling after each probe that finds it still slow; 0: never)
+    sponsor_probe: int = 16
 
 
 @dataclass
@@ -314,6 +317,8 @@ class RunConfig:
             )
         if self.outer.late_work not in ("carry", "discard"):
             raise ConfigError(f"outer.late_work must be 'carry' or 'discard', not {self.outer.late_work!r}")
+        if self.outer.sponsor_probe < 0:
+            raise ConfigError(f"outer.sponsor_probe must be >= 0 (0: never probe), not {self.outer.sponsor_probe}")
         if self.outer.slow_link not in ("sponsor", "wait"):
             raise ConfigError(f"outer.slow_link must be 'sponsor' or 'wait', not {self.outer.slow_link!r}")
         if self.admission.mode not in ("open", "secret", "allowlist", "invite"):
@@ -524,6 +529,8 @@ momentum = 0.9
 late_work = "carry"       # a late peer's pseudo-gradient goes into its next round ("carry") or is dropped ("discard")
 slow_link = "sponsor"     # diloco: a peer flagged slow for its link sends its work through a sponsor ("sponsor") or
                           # stays in every round ("wait")
+sponsor_probe = 16        # sponsored contributions before it rejoins rounds briefly to test its link (x2 each time
+                          # the link is still slow; 0: never)
 
 [noloco]                  # used when run.algorithm = "noloco"
 alpha = 0.5

@@ -228,6 +228,46 @@ def choose_sponsor(me: str, candidates: Iterable[pb.PeerInfo], is_flagged: Calla
     return min(ok, key=lambda p: hashlib.sha256(f"{me}/{p.peer_id}".encode()).digest(), default=None)
 
 
+class SponsorProbe:
+    """When a sponsored peer tries the swarm's rounds again, to learn whether its link recovered.
+
+    A sponsored peer joins no round, so no round times it, and the swarm's slow verdict on it (peerd/timings.py)
+    would never lift. Only a round can show a link keeps up again: after `every` sponsored contributions the peer
+    rejoins rounds on probation for `rounds` windows. Its verdict lifts after RECOVER normal rounds in a row; if it
+    is still flagged when probation ends, its link is still slow: it turns sponsored again and waits twice as long
+    (up to `cap`) before the next probe, so a link that stays slow costs the swarm a few waited-for rounds per
+    doubling interval, not one per window."""
+
+    def __init__(self, every: int, rounds: int, cap: int = 256) -> None:
+        self.every = every  # sponsored contributions before the next probe (0: never probe)
+        self.rounds = rounds
+        self.cap = max(cap, every)
+        self.sponsored = 0  # contributions since sponsorship began or the last probe ended
+        self.left = 0  # windows of probation left (0: not on probation)
+        self.probes = 0  # probes started (summary.json)
+        self.recovered = 0  # probes that ended with the verdict lifted
+
+    def next(self, flagged: bool) -> str:
+        """Called once per window in which we would pick a sponsor. Returns "sponsor" (send our work through one),
+        "rounds" (join the round ourselves) or "probe" (start probation now: join the round)."""
+        if self.left:
+            if not flagged:
+                self.left, self.sponsored, self.recovered = 0, 0, self.recovered + 1
+                return "rounds"
+            self.left -= 1
+            if self.left:
+                return "rounds"
+            self.every = min(self.every * 2, self.cap)  # still slow after probation: back off
+        if not flagged:
+            self.sponsored = 0
+            return "rounds"
+        if self.every and self.sponsored >= self.every:
+            self.left, self.sponsored, self.probes = self.rounds, 0, self.probes + 1
+            return "probe"
+        self.sponsored += 1
+        return "sponsor"
+
+
 async def upload(
     stub: Any,
     identity: Identity,

@@ -29,9 +29,10 @@ from peerd.membership import copy_peer
 from peerd.pair_exchange import PairSettings
 from peerd.pairing import Pairing, PairOutcome
 from peerd.relay import RelayTransport, pair_targets
-from peerd.sponsor import SponsorDesk, SponsoredWork, choose_sponsor
+from peerd.sponsor import SponsorDesk, SponsoredWork, SponsorProbe, choose_sponsor
 from peerd.sponsor import upload as sponsor_upload
 from peerd.statesync import StateSnapshot
+from peerd.timings import RECOVER
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -176,6 +177,8 @@ class _DaemonSponsoring:
     def __init__(self, daemon: Daemon, desk: SponsorDesk) -> None:
         self.daemon = daemon
         self.desk = desk
+        # A verdict lifts after RECOVER normal rounds; two more windows let the others' verdicts reach us by gossip
+        self.probe = SponsorProbe(daemon.cfg.outer.sponsor_probe, RECOVER + 2)
 
     def target(self) -> str:
         d = self.daemon
@@ -187,7 +190,21 @@ class _DaemonSponsoring:
                 and d.timing.may_be_sponsored(me)
                 and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
-            chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged) if wanted else None
+            was_probing = self.probe.left > 0
+            plan = self.probe.next(wanted)
+            if plan == "probe":
+                log.warning("trying the swarm's rounds again for %d windows, to see whether our link keeps up now "
+                            "(probe %d)", self.probe.rounds, self.probe.probes)  # fmt: skip
+            elif was_probing and not self.probe.left:
+                log.warning(
+                    "probe over: %s",
+                    "the swarm no longer flags our link slow"
+                    if plan == "rounds"
+                    else f"our link is still slow; next probe after {self.probe.every} sponsored contributions",
+                )
+            chosen = None
+            if plan == "sponsor":
+                chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged)
             pid = chosen.peer_id if chosen is not None else ""
             if pid != d.me.sponsor:
                 if pid:

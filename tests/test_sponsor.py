@@ -4,20 +4,21 @@ rounds sends its work through a sponsor, rounds stop waiting for it, and none of
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from peerd.codecs import make_codec
-from peerd.sponsor import MAX_STALE, SponsorDesk, SponsoredWork, choose_sponsor, combine
+from peerd.sponsor import MAX_STALE, SponsorDesk, SponsoredWork, SponsorProbe, choose_sponsor, combine
 from peerd.timings import FAULTY, SLOW, SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 from tests.netswarm import NetSwarm
 from tests.swarm import tiny_config
 from tests.test_slowlink import needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
-from tests.test_uneven import run_with_a_slow_uplink
+from tests.test_uneven import _rows, run_with_a_slow_uplink
 
 
 def _work(peer: str, base: int, tokens: int = 10, n: int = 8) -> SponsoredWork:
@@ -105,6 +106,26 @@ def _check_sponsored_run(peers: list, slow: int) -> None:
     assert_identical_globals([p.data_dir for p in peers])
 
 
+def test_a_sponsored_peer_probes_rounds_backing_off_while_its_link_stays_slow() -> None:
+    probe = SponsorProbe(every=2, rounds=3, cap=8)
+    assert [probe.next(True) for _ in range(3)] == ["sponsor", "sponsor", "probe"]
+    assert [probe.next(True) for _ in range(3)] == ["rounds", "rounds", "sponsor"]  # still slow: sponsored again
+    assert probe.every == 4 and probe.probes == 1 and probe.recovered == 0
+    assert [probe.next(True) for _ in range(4)] == ["sponsor"] * 3 + ["probe"]
+    assert [probe.next(True) for _ in range(2)] == ["rounds", "rounds"]
+    assert probe.next(False) == "rounds" and probe.left == 0 and probe.recovered == 1  # the verdict lifted
+    assert probe.every == 4  # a recovered link does not double the interval
+    assert probe.next(False) == "rounds"
+    for _ in range(6):  # flagged again and again slow: the interval doubles up to the cap
+        while probe.next(True) != "probe":
+            pass
+        while probe.left:
+            probe.next(True)
+    assert probe.every == 8
+    never = SponsorProbe(every=0, rounds=3)
+    assert {never.next(True) for _ in range(50)} == {"sponsor"}
+
+
 def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Path) -> None:
     """PEERD_FAULT_UPLINK_MBIT (no root needed): once the swarm flags the slow peer, it stops joining rounds; its
     work reaches the swarm through a sponsor, rounds complete without waiting for it, and every peer ends on one
@@ -124,6 +145,39 @@ def test_a_peer_on_a_10x_slower_link_is_sponsored(tmp_path: Path) -> None:
     with NetSwarm(tmp_path, 4, cfg, rate_mbit=[20.0, 20.0, 20.0, 2.0]) as swarm:
         swarm.wait_exit(300)
     _check_sponsored_run(swarm.peers, 3)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_sponsored_peer_whose_link_recovers_rejoins_rounds(tmp_path: Path) -> None:
+    """Its link 10x slower, the peer turns sponsored; then the link gets its full rate back (tc, in place). The next
+    probe (outer.sponsor_probe: after 2 sponsored contributions here) finds rounds keep up with it: the swarm lifts
+    its slow flag, and it is a full member again, owning a shard, with every peer on one model."""
+    cfg = tiny_config(
+        tmp_path, run__outer_steps=45, inner__steps=10, inner__window_s=1.0, outer__sponsor_probe=2
+    )  # fmt: skip
+    with NetSwarm(tmp_path, 4, cfg, rate_mbit=[20.0, 20.0, 20.0, 2.0]) as swarm:
+        slow = swarm.peers[3]
+        deadline = time.monotonic() + 150
+        while "sending our work through sponsor" not in slow.log():
+            assert time.monotonic() < deadline, slow.log_tail()
+            assert slow.proc.poll() is None, slow.log_tail()
+            time.sleep(0.5)
+        swarm.net.set_rate(3, 20.0)
+        swarm.wait_exit(300)
+    log = slow.log()
+    assert "trying the swarm's rounds again" in log and "the swarm no longer flags our link slow" in log, log[-3000:]
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[3]["peer_id"]
+    assert summaries[3]["sponsored"]["sent"] >= 1 and summaries[3]["discarded_steps"] == 0
+    # Its own record holds the last rounds too: it was a member of them, not work a sponsor carried
+    assert summaries[3]["rounds"][-1]["step"] >= summaries[0]["rounds"][-1]["step"] - 1, _rows(summaries[3], slow_id)
+    for s in summaries[:3]:
+        last = s["rounds"][-3:]
+        # A member again: in the rounds themselves (not carried), owning a shard, and no round partial
+        assert all(slow_id in r["included"] and slow_id not in r["no_shards"] for r in last), _rows(s, slow_id)
+        assert not any(r["partial"] for r in last), _rows(s, slow_id)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
 
 
 def test_status_marks_a_sponsored_peer() -> None:
