@@ -30,6 +30,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +67,13 @@ class SponsoredWork:
     tokens: int  # its weight: tokens per window of the work behind it
     vector: torch.Tensor  # float32, CPU, the model's size
     answer: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    held_at: float = 0.0  # monotonic time the sponsor began holding it
+    held_ms: int = 0  # how long it waited for the round that took it
 
     def reply(self, included_step: int, reason: str = "") -> None:
         if not self.answer.done():
-            self.answer.set_result(pb.SponsorResponse(included_step=included_step, reason=reason))
+            resp = pb.SponsorResponse(included_step=included_step, reason=reason, held_ms=self.held_ms)
+            self.answer.set_result(resp)
 
 
 class SponsorDesk:
@@ -149,6 +153,7 @@ class SponsorDesk:
 
     def hold(self, work: SponsoredWork) -> None:
         """Keep `work` for our next round; an older contribution of the same peer is answered "replaced"."""
+        work.held_at = time.monotonic()
         with self._lock:
             closed = self.closed
             old = None if closed else self._held.pop(work.peer_id, None)
@@ -170,7 +175,9 @@ class SponsorDesk:
             if w not in fresh:
                 w.reply(-1, "stale")
         limit = self.clip_ratio * own_norm
+        now = time.monotonic()
         for w in fresh:
+            w.held_ms = min(int((now - w.held_at) * 1000), 2**32 - 1) if w.held_at else 0
             norm = float(torch.linalg.vector_norm(w.vector, dtype=torch.float64))
             if limit > 0 and norm > limit:
                 w.vector.mul_(limit / norm)

@@ -8,7 +8,12 @@ it does what its link allows, and never waits for it:
 3. the sponsor answered that its round for step S included the work: download the state of step S + 1 or newer, in
    the background, and train on;
 4. the state arrived: adopt it, and put the work done since the snapshot back on top (local = new global - work
-   since), so no inner step is lost; then back to 1.
+   since), so no inner step is lost; then back to 1, once the delay the sponsor's answers taught us has passed.
+
+The delay: work trained before we adopt the newest state is one round stale when it is applied. The sponsor tells
+how long it held each upload before its round took it (`held_ms`), and the next snapshot is taken that much later,
+less SLACK_S, so uploads reach the sponsor just before its round and as much of each contribution as the link allows
+was trained on the newest state.
 
 Staleness is the price: the work joins the global some rounds after the state it started from (the uploads and the
 download take that long on the slow link). An upload the sponsor could not place ("stale": based too far back;
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,8 +34,11 @@ import torch
 
 from peerd.algorithm import StepDone, Trainer
 from peerd.swarm import SponsorPort
+from peerd.v1 import peerd_pb2 as pb
 
 log = logging.getLogger("peerd")
+
+SLACK_S = 1.5  # how early our upload should reach the sponsor before its round takes what it holds
 
 
 @dataclass
@@ -50,25 +59,38 @@ class SponsoredPeer:
         self.fetch: concurrent.futures.Future | None = None
         self.sent_from: torch.Tensor | None = None  # our local weights when we took the uploaded snapshot
         self.sent_steps = 0  # inner steps behind the upload in flight
+        self.sent_base = 0  # the outer step it was based on: the round it aims for
+        self.upload_at: float | None = None  # when the next snapshot is due (monotonic; None: none scheduled)
+        self.delay_s = 0.0  # how long after adopting a state we wait before the next snapshot (see _answered)
         self.sponsor = ""
         self.stats = SponsoredStats()
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def busy(self) -> bool:
-        """Work in flight or a state on its way: the sponsored cycle must finish before any round of our own."""
-        return self.upload is not None or self.fetch is not None or self.sent_from is not None
+        """Work in flight, a state on its way or a snapshot scheduled: the sponsored cycle must finish before any
+        round of our own."""
+        return (
+            self.upload is not None
+            or self.fetch is not None
+            or self.sent_from is not None
+            or self.upload_at is not None
+        )
 
     def poll(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
         """After any inner step: move the cycle on when its network part finished (an answered upload starts the
-        download; a downloaded state is adopted and the next upload starts), without waiting for the window's end."""
+        download; a downloaded state is adopted and the next snapshot is scheduled; a due snapshot is uploaded),
+        without waiting for the window's end."""
         if self.fetch is not None and self.fetch.done():
             done = self._adopt(trainer, algo)
             if done is not None and self.sent_from is None:
-                self._start_upload(trainer, algo)
+                self.upload_at = time.monotonic() + self.delay_s
             return done
         if self.upload is not None and self.upload.done():
             self._answered(trainer, algo)
+        if self.upload_at is not None and time.monotonic() >= self.upload_at:
+            self.upload_at = None
+            self._start_upload(trainer, algo)  # False: back in rounds, which the next window's end joins
         return None
 
     def at_window_end(self, trainer: Trainer, algo: DiLoCoLike) -> tuple[bool, StepDone | None]:
@@ -82,6 +104,8 @@ class SponsoredPeer:
             return True, None
         if self.sent_from is not None:  # an answered upload whose state download failed: ask again
             self._start_fetch(trainer, algo, trainer.outer_step + 1)
+            return True, None
+        if self.upload_at is not None:  # our next snapshot is timed to reach the sponsor just before its round
             return True, None
         return self._start_upload(trainer, algo), None
 
@@ -101,6 +125,7 @@ class SponsoredPeer:
         tokens = algo.steps_pending * trainer.tokens_per_step // windows
         self.sent_from = local.clone()
         self.sent_steps = algo.steps_pending
+        self.sent_base = trainer.outer_step
         algo.steps_pending = algo.windows_pending = 0
         self.upload = self.port.upload(sponsor, pseudo.cpu(), trainer.outer_step, max(tokens, 1))
         return True
@@ -116,6 +141,7 @@ class SponsoredPeer:
                         self.sponsor[:8], why)  # fmt: skip
         self.upload = None
         if resp is not None and resp.included_step >= 0:
+            self._retime(resp, trainer.cfg.network.round_timeout)
             self.stats.sent += 1
             self.stats.steps += self.sent_steps
             log.info("our work (%d inner steps) is in the swarm's round for step %d, via sponsor %s",
@@ -131,6 +157,16 @@ class SponsoredPeer:
         algo.steps_pending += self.sent_steps
         self.sent_steps = 0
         self._start_fetch(trainer, algo, trainer.outer_step)
+
+    def _retime(self, resp: pb.SponsorResponse, cap_s: float) -> None:
+        """Move our next snapshot later by the time this upload waited at the sponsor, less SLACK_S: the later the
+        snapshot, the more of its work was trained on the newest state (fresh) rather than the one before (stale).
+        An upload that missed the round it aimed for (its base step's) waited a whole round: back off by half."""
+        held = resp.held_ms / 1000.0
+        if resp.included_step <= self.sent_base:
+            self.delay_s = min(max(0.0, self.delay_s + held - SLACK_S), cap_s)
+        else:
+            self.delay_s = max(0.0, self.delay_s / 2 - SLACK_S)
 
     def _start_fetch(self, trainer: Trainer, algo: DiLoCoLike, min_step: int) -> None:
         if self._fetcher is None:

@@ -12,6 +12,7 @@ import torch
 
 from peerd.codecs import make_codec
 from peerd.sponsor import MAX_STALE, SponsorDesk, SponsoredWork, SponsorProbe, choose_sponsor, combine
+from peerd.sponsored import SLACK_S, SponsoredPeer
 from peerd.timings import FAULTY, SLOW, SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 from tests.netswarm import NetSwarm
@@ -124,6 +125,19 @@ def test_a_sponsored_peer_probes_rounds_backing_off_while_its_link_stays_slow() 
     assert probe.every == 8
     never = SponsorProbe(every=0, rounds=3)
     assert {never.next(True) for _ in range(50)} == {"sponsor"}
+
+
+def test_a_sponsored_peer_times_its_snapshot_by_what_the_sponsor_held() -> None:
+    peer = SponsoredPeer(port=None)  # type: ignore[arg-type]
+    peer.sent_base = 5
+    peer._retime(pb.SponsorResponse(included_step=5, held_ms=6000), cap_s=60.0)
+    assert peer.delay_s == pytest.approx(6.0 - SLACK_S)  # on time with 6 s to spare: snapshot later next time
+    peer._retime(pb.SponsorResponse(included_step=5, held_ms=1000), cap_s=60.0)
+    assert peer.delay_s == pytest.approx(6.0 - SLACK_S + 1.0 - SLACK_S)
+    peer._retime(pb.SponsorResponse(included_step=6, held_ms=13000), cap_s=60.0)  # missed its round: back off
+    assert peer.delay_s == pytest.approx(max(0.0, (6.0 - 2 * SLACK_S + 1.0) / 2 - SLACK_S))
+    peer._retime(pb.SponsorResponse(included_step=5, held_ms=900_000), cap_s=60.0)
+    assert peer.delay_s == 60.0  # never longer than a round may take
 
 
 def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Path) -> None:

@@ -474,12 +474,14 @@ class MatchResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SponsorResponse(_message.Message):
-    __slots__ = ("included_step", "reason")
+    __slots__ = ("included_step", "reason", "held_ms")
     INCLUDED_STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    HELD_MS_FIELD_NUMBER: _ClassVar[int]
     included_step: int
     reason: str
-    def __init__(self, included_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    held_ms: int
+    def __init__(self, included_step: _Optional[int] = ..., reason: _Optional[str] = ..., held_ms: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("auth", "peers")
