@@ -126,7 +126,7 @@ class OuterSection:
     # DiLoCo: a peer the swarm flags slow for its link: "sponsor" stops joining rounds and sends its work through a
     # sponsor (peerd/sponsor.py), so no round waits for its link; "wait": it stays in every round
     slow_link: str = "sponsor"
-    # sponsored contributions before a sponsored peer rejoins rounds for a few windows, to see whether its link
+    # sponsored contributions before a sponsored peer rejoins rounds for five rounds, to see whether its link
     # recovered (doubling after each probe that finds it still slow; 0: never)
     sponsor_probe: int = 16
 

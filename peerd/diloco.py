@@ -173,7 +173,11 @@ class DiLoCo(OuterAlgorithm):
 
     def sponsor_summary(self) -> dict[str, int]:
         st = self.sponsored.stats
-        return {"sent": st.sent, "resent": st.resent, "steps": st.steps, "carried": self.carried_for_others}
+        probes, recovered = self.sponsoring.probes()
+        return {
+            "sent": st.sent, "resent": st.resent, "steps": st.steps, "carried": self.carried_for_others,
+            "probes": probes, "recovered": recovered,
+        }  # fmt: skip
 
     def close(self) -> None:
         self.sponsored.close()

@@ -240,8 +240,9 @@ class SponsorProbe:
 
     A sponsored peer joins no round, so no round times it, and the swarm's slow verdict on it (peerd/timings.py)
     would never lift. Only a round can show a link keeps up again: after `every` sponsored contributions the peer
-    rejoins rounds on probation for `rounds` windows. Its verdict lifts after RECOVER normal rounds in a row; if it
-    is still flagged when probation ends, its link is still slow: it turns sponsored again and waits twice as long
+    rejoins rounds on probation until it has been in `rounds` of them (or `3 x rounds` windows went by: rounds may
+    fail, or the first may find the swarm a step ahead). Its verdict lifts after RECOVER normal rounds in a row; if
+    it is still flagged when probation ends, its link is still slow: it turns sponsored again and waits twice as long
     (up to `cap`) before the next probe, so a link that stays slow costs the swarm a few waited-for rounds per
     doubling interval, not one per window."""
 
@@ -250,26 +251,28 @@ class SponsorProbe:
         self.rounds = rounds
         self.cap = max(cap, every)
         self.sponsored = 0  # contributions since sponsorship began or the last probe ended
-        self.left = 0  # windows of probation left (0: not on probation)
+        self.left = 0  # windows of probation left at most (0: not on probation)
         self.probes = 0  # probes started (summary.json)
         self.recovered = 0  # probes that ended with the verdict lifted
 
-    def next(self, flagged: bool) -> str:
-        """Called once per window in which we would pick a sponsor. Returns "sponsor" (send our work through one),
-        "rounds" (join the round ourselves) or "probe" (start probation now: join the round)."""
+    def next(self, flagged: bool, joined: int = 0) -> str:
+        """Called once per window in which we would pick a sponsor; `joined`: the rounds we completed as a member
+        since the probe began. Returns "sponsor" (send our work through one), "rounds" (join the round ourselves) or
+        "probe" (start probation now: join the round)."""
         if self.left:
             if not flagged:
                 self.left, self.sponsored, self.recovered = 0, 0, self.recovered + 1
                 return "rounds"
             self.left -= 1
-            if self.left:
+            if self.left and joined < self.rounds:
                 return "rounds"
+            self.left = 0
             self.every = min(self.every * 2, self.cap)  # still slow after probation: back off
         if not flagged:
             self.sponsored = 0
             return "rounds"
         if self.every and self.sponsored >= self.every:
-            self.left, self.sponsored, self.probes = self.rounds, 0, self.probes + 1
+            self.left, self.sponsored, self.probes = 3 * self.rounds, 0, self.probes + 1
             return "probe"
         self.sponsored += 1
         return "sponsor"

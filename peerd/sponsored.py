@@ -61,7 +61,7 @@ class SponsoredPeer:
         self.sent_steps = 0  # inner steps behind the upload in flight
         self.sent_base = 0  # the outer step it was based on: the round it aims for
         self.upload_at: float | None = None  # when the next snapshot is due (monotonic; None: none scheduled)
-        self.delay_s = 0.0  # how long after adopting a state we wait before the next snapshot (see _answered)
+        self.delay_s = 0.0  # how long after adopting a state we wait before the next snapshot (see _retime)
         self.sponsor = ""
         self.stats = SponsoredStats()
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
@@ -90,7 +90,10 @@ class SponsoredPeer:
             self._answered(trainer, algo)
         if self.upload_at is not None and time.monotonic() >= self.upload_at:
             self.upload_at = None
-            self._start_upload(trainer, algo)  # False: back in rounds, which the next window's end joins
+            if not self._start_upload(trainer, algo):
+                # Back in rounds mid-window: the next window's end counts this window and joins a round with our
+                # work since the snapshot as one window's (more would be dropped as too long to carry)
+                algo.windows_pending = 0
         return None
 
     def at_window_end(self, trainer: Trainer, algo: DiLoCoLike) -> tuple[bool, StepDone | None]:
@@ -116,6 +119,8 @@ class SponsoredPeer:
             if self.sponsor:  # back in rounds: the work since our last snapshot goes into the next one, as one window
                 self.sponsor = ""
                 algo.windows_pending = 1
+                # Our sponsored work went into rounds: a round that finds us behind carries our work, not drops it
+                algo.carried_in_a_row = 0
             return False  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again
         self.sponsor = sponsor
         local = trainer.layout.flatten(trainer.model).detach().float()
@@ -204,5 +209,6 @@ class DiLoCoLike(Protocol):
     global_params: torch.Tensor
     steps_pending: int
     windows_pending: int
+    carried_in_a_row: int
 
     def state_tensors(self) -> dict[str, torch.Tensor]: ...

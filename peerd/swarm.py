@@ -74,6 +74,9 @@ class SponsorPort(Protocol):
     def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
         """Our round with `taken` completed at `included_step`, or failed (None: hold them for the next)."""
 
+    def probes(self) -> tuple[int, int]:
+        """Probes of the rounds we started while sponsored, and those that found our link recovered."""
+
     def close(self) -> None: ...
 
 
@@ -179,6 +182,7 @@ class _DaemonSponsoring:
         self.desk = desk
         # A verdict lifts after RECOVER normal rounds; two more windows let the others' verdicts reach us by gossip
         self.probe = SponsorProbe(daemon.cfg.outer.sponsor_probe, RECOVER + 2)
+        self.probe_step = 0  # our outer step when the probe began: rounds from there on count for it
 
     def target(self) -> str:
         d = self.daemon
@@ -191,9 +195,13 @@ class _DaemonSponsoring:
                 and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
             was_probing = self.probe.left > 0
-            plan = self.probe.next(wanted)
+            joined = sum(
+                1 for r in list(d.status.recent_rounds)[-64:] if r.step >= self.probe_step and me in r.included
+            )
+            plan = self.probe.next(wanted, joined if was_probing else 0)
             if plan == "probe":
-                log.warning("trying the swarm's rounds again for %d windows, to see whether our link keeps up now "
+                self.probe_step = d.status.outer_step
+                log.warning("trying the swarm's rounds again for %d rounds, to see whether our link keeps up now "
                             "(probe %d)", self.probe.rounds, self.probe.probes)  # fmt: skip
             elif was_probing and not self.probe.left:
                 log.warning(
@@ -248,6 +256,9 @@ class _DaemonSponsoring:
         self.desk.settle(taken, included_step)
         if taken and included_step is not None and self.daemon.metrics is not None:
             self.daemon.metrics.sponsored_contributions.labels(role="carried").inc(len(taken))
+
+    def probes(self) -> tuple[int, int]:
+        return self.probe.probes, self.probe.recovered
 
     def close(self) -> None:
         self.desk.close()

@@ -42,6 +42,9 @@ class FakeSponsoring:
 
     def settle(self, taken: list, included_step: int | None) -> None: ...
 
+    def probes(self) -> tuple[int, int]:
+        return 0, 0
+
     def close(self) -> None: ...
 
 

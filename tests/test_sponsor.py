@@ -110,18 +110,24 @@ def _check_sponsored_run(peers: list, slow: int) -> None:
 def test_a_sponsored_peer_probes_rounds_backing_off_while_its_link_stays_slow() -> None:
     probe = SponsorProbe(every=2, rounds=3, cap=8)
     assert [probe.next(True) for _ in range(3)] == ["sponsor", "sponsor", "probe"]
-    assert [probe.next(True) for _ in range(3)] == ["rounds", "rounds", "sponsor"]  # still slow: sponsored again
+    # On probation until it has been in 3 rounds; still flagged then: sponsored again, and the interval doubles
+    assert [probe.next(True, joined) for joined in (0, 1, 2, 3)] == ["rounds", "rounds", "rounds", "sponsor"]
     assert probe.every == 4 and probe.probes == 1 and probe.recovered == 0
     assert [probe.next(True) for _ in range(4)] == ["sponsor"] * 3 + ["probe"]
-    assert [probe.next(True) for _ in range(2)] == ["rounds", "rounds"]
-    assert probe.next(False) == "rounds" and probe.left == 0 and probe.recovered == 1  # the verdict lifted
-    assert probe.every == 4  # a recovered link does not double the interval
+    # Rounds that keep failing (joined stays 0) end probation after 3 x rounds windows all the same
+    assert [probe.next(True, 0) for _ in range(9)] == ["rounds"] * 8 + ["sponsor"]
+    assert probe.every == 8 and probe.probes == 2
+    while probe.next(True) != "probe":
+        pass
+    assert probe.next(True, 1) == "rounds"
+    assert probe.next(False, 2) == "rounds" and probe.left == 0 and probe.recovered == 1  # the verdict lifted
+    assert probe.every == 8  # a recovered link does not double the interval
     assert probe.next(False) == "rounds"
-    for _ in range(6):  # flagged again and again slow: the interval doubles up to the cap
+    for _ in range(4):  # flagged again and again slow: the interval stays at the cap
         while probe.next(True) != "probe":
             pass
         while probe.left:
-            probe.next(True)
+            probe.next(True, 3)
     assert probe.every == 8
     never = SponsorProbe(every=0, rounds=3)
     assert {never.next(True) for _ in range(50)} == {"sponsor"}
@@ -167,8 +173,10 @@ def test_a_sponsored_peer_whose_link_recovers_rejoins_rounds(tmp_path: Path) -> 
     """Its link 10x slower, the peer turns sponsored; then the link gets its full rate back (tc, in place). The next
     probe (outer.sponsor_probe: after 2 sponsored contributions here) finds rounds keep up with it: the swarm lifts
     its slow flag, and it is a full member again, owning a shard, with every peer on one model."""
+    # 2 s windows: on 1 s windows a peer back from sponsorship sometimes found two rounds in a row done before it
+    # joined, and the late-peer rule (carry once, one window) dropped a window of its work (README, "Known limits")
     cfg = tiny_config(
-        tmp_path, run__outer_steps=45, inner__steps=10, inner__window_s=1.0, outer__sponsor_probe=2
+        tmp_path, run__outer_steps=35, inner__steps=10, inner__window_s=2.0, outer__sponsor_probe=2
     )  # fmt: skip
     with NetSwarm(tmp_path, 4, cfg, rate_mbit=[20.0, 20.0, 20.0, 2.0]) as swarm:
         slow = swarm.peers[3]
@@ -183,7 +191,9 @@ def test_a_sponsored_peer_whose_link_recovers_rejoins_rounds(tmp_path: Path) -> 
     assert "trying the swarm's rounds again" in log and "the swarm no longer flags our link slow" in log, log[-3000:]
     summaries = [p.summary() for p in swarm.peers]
     slow_id = summaries[3]["peer_id"]
-    assert summaries[3]["sponsored"]["sent"] >= 1 and summaries[3]["discarded_steps"] == 0
+    mine = summaries[3]["sponsored"]
+    assert mine["sent"] >= 1 and mine["probes"] >= 1 and mine["recovered"] == 1, mine
+    assert summaries[3]["discarded_steps"] == 0
     # Its own record holds the last rounds too: it was a member of them, not work a sponsor carried
     assert summaries[3]["rounds"][-1]["step"] >= summaries[0]["rounds"][-1]["step"] - 1, _rows(summaries[3], slow_id)
     for s in summaries[:3]:
