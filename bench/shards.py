@@ -26,10 +26,7 @@ NUM_SHARDS = 16
 def contiguous_batch(data: TokenData, shard: int, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """The layout before striping: shard k is tokens [k n/16, (k+1) n/16)."""
     per = len(data) // NUM_SHARDS
-    lo = shard * per
-    starts = torch.randint(lo, lo + per - data.seq_len, (batch,), generator=gen)
-    windows = data.tokens[starts[:, None] + torch.arange(data.seq_len + 1)].to(torch.int64)
-    return windows[:, :-1], windows[:, 1:]
+    return data._windows(shard * per, (shard + 1) * per, batch, gen)  # the sampler batch() used on that range
 
 
 def main(argv: list[str] | None = None) -> int:

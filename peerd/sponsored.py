@@ -90,10 +90,7 @@ class SponsoredPeer:
             self._answered(trainer, algo)
         if self.upload_at is not None and time.monotonic() >= self.upload_at:
             self.upload_at = None
-            if not self._start_upload(trainer, algo):
-                # Back in rounds mid-window: the next window's end counts this window and joins a round with our
-                # work since the snapshot as one window's (more would be dropped as too long to carry)
-                algo.windows_pending = 0
+            self._start_upload(trainer, algo, at_window_end=False)  # False: back in rounds at the next window's end
         return None
 
     def at_window_end(self, trainer: Trainer, algo: DiLoCoLike) -> tuple[bool, StepDone | None]:
@@ -110,15 +107,16 @@ class SponsoredPeer:
             return True, None
         if self.upload_at is not None:  # our next snapshot is timed to reach the sponsor just before its round
             return True, None
-        return self._start_upload(trainer, algo), None
+        return self._start_upload(trainer, algo, at_window_end=True), None
 
-    def _start_upload(self, trainer: Trainer, algo: DiLoCoLike) -> bool:
+    def _start_upload(self, trainer: Trainer, algo: DiLoCoLike, at_window_end: bool) -> bool:
         """Snapshot our pending work and send it to our sponsor; False when we need none (any more)."""
         sponsor = self.port.target()
         if not sponsor:
             if self.sponsor:  # back in rounds: the work since our last snapshot goes into the next one, as one window
                 self.sponsor = ""
-                algo.windows_pending = 1
+                # (mid-window, the next window's end counts this window; more would be dropped as too long to carry)
+                algo.windows_pending = 1 if at_window_end else 0
                 # Our sponsored work went into rounds: a round that finds us behind carries our work, not drops it
                 algo.carried_in_a_row = 0
             return False  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again

@@ -180,7 +180,7 @@ class _DaemonSponsoring:
     def __init__(self, daemon: Daemon, desk: SponsorDesk) -> None:
         self.daemon = daemon
         self.desk = desk
-        # A verdict lifts after RECOVER normal rounds; two more windows let the others' verdicts reach us by gossip
+        # A verdict lifts after RECOVER normal rounds; two more rounds let the others' verdicts reach us by gossip
         self.probe = SponsorProbe(daemon.cfg.outer.sponsor_probe, RECOVER + 2)
         self.probe_step = 0  # our outer step when the probe began: rounds from there on count for it
 
@@ -195,10 +195,12 @@ class _DaemonSponsoring:
                 and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
             was_probing = self.probe.left > 0
-            joined = sum(
-                1 for r in list(d.status.recent_rounds)[-64:] if r.step >= self.probe_step and me in r.included
-            )
-            plan = self.probe.next(wanted, joined if was_probing else 0)
+            joined = 0  # rounds we completed as a member since the probe began (counted only while probing)
+            if was_probing:
+                joined = sum(
+                    1 for r in list(d.status.recent_rounds)[-64:] if r.step >= self.probe_step and me in r.included
+                )
+            plan = self.probe.next(wanted, joined)
             if plan == "probe":
                 self.probe_step = d.status.outer_step
                 log.warning("trying the swarm's rounds again for %d rounds, to see whether our link keeps up now "
