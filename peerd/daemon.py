@@ -238,6 +238,8 @@ class Daemon:
             count_sent=self.count_sent,
             desk=lambda: self.sponsor_desk,
             executor=self.executor,
+            identity=self.identity,
+            published=lambda: (self.me.outer_step, bytes(self.me.state_digest)),
         )
         state_service = StateService(
             checks=checks,

@@ -26,6 +26,7 @@ from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
 from peerd.sponsor import combine
 from peerd.sponsored import SponsoredPeer
+from peerd.statesync import state_digest
 from trainer.outer import NesterovOuter
 
 log = logging.getLogger("peerd")
@@ -122,6 +123,8 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
             return None
         trainer.add_idle(time.perf_counter() - t0)
+        if taken:  # the peers we carried take the outer step from this average themselves (RoundAverage)
+            self.sponsoring.keep_average(step, result.average, len(set(result.included)), [w.peer_id for w in taken])
         self.sponsoring.settle(taken, step)
         self.carried_for_others += len(taken)
         if 0 < trainer.cfg.run.outer_steps <= step + 1:
@@ -175,13 +178,34 @@ class DiLoCo(OuterAlgorithm):
         st = self.sponsored.stats
         probes, recovered = self.sponsoring.probes()
         return {
-            "sent": st.sent, "resent": st.resent, "steps": st.steps, "carried": self.carried_for_others,
+            "sent": st.sent, "resent": st.resent, "steps": st.steps, "applied": st.applied,
+            "carried": self.carried_for_others,
             "probes": probes, "recovered": recovered,
         }  # fmt: skip
 
     def close(self) -> None:
         self.sponsored.close()
         self.sponsoring.close()
+
+    def apply_average(self, trainer: Trainer, average: torch.Tensor, included: int, digest: bytes) -> bool:
+        """A sponsored peer takes the outer step of the round that carried its work, from that round's average (its
+        sponsor's RoundAverage), as the members did: the state must come out bit-identical to theirs, so it is
+        checked against the digest the sponsor published for it, and left untouched (False) when it differs."""
+        params = self.global_params.clone()
+        old = self.outer.buffers.get(None)
+        if old is not None:
+            self.outer.buffers[None] = old.clone()  # the step updates the momentum in place: keep ours until checked
+        self.outer.step(params, average.to(params.device))
+        state = {"params": params, "outer_momentum": self.outer.buffers[None]}
+        if state_digest(trainer.outer_step + 1, state, self.work + included) != digest:
+            if old is None:
+                del self.outer.buffers[None]
+            else:
+                self.outer.buffers[None] = old
+            return False
+        self.global_params = params
+        self.work += included
+        return True
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         momentum = self.outer.buffers.get(None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, NoReturn, Protocol
@@ -26,7 +27,7 @@ from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
-from peerd.statesync import check_ranges, state_messages
+from peerd.statesync import StateSnapshot, check_ranges, state_messages
 from peerd.streams import StreamError, prepend, verify_header
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
@@ -42,10 +43,10 @@ if TYPE_CHECKING:
     from peerd.roundclient import RoundClient
     from peerd.sponsor import SponsorDesk
     from peerd.startbarrier import StartBarrier
-    from peerd.statesync import StateSnapshot
 
 log = logging.getLogger("peerd")
 MAX_SPEC_JSON = 64 * 1024
+AVERAGE_WAIT_S = 30.0  # RoundAverage without a deadline: how long it waits for our trainer to publish the state
 
 
 class PairEndpoint(Protocol):
@@ -182,10 +183,15 @@ class RoundsService(rpc.RoundsServicer):
         count_sent: Callable[[str, int, int], None],
         desk: Callable[[], SponsorDesk | None] = lambda: None,
         executor: Executor | None = None,
+        identity: Identity | None = None,
+        published: Callable[[], tuple[int, bytes]] = lambda: (-1, b""),
     ) -> None:
-        """`desk()`: where sponsored work goes (None until a DiLoCo trainer opened one)."""
+        """`desk()`: where sponsored work goes (None until a DiLoCo trainer opened one). `published()`: the step and
+        digest of the state we serve (RoundAverage names the one a round's average produced)."""
         self.count_sent = count_sent
         self.desk = desk
+        self.identity = identity
+        self.published = published
         self.executor = executor
         self.checks = checks
         self.membership = membership
@@ -318,6 +324,42 @@ class RoundsService(rpc.RoundsServicer):
         except (TimeoutError, asyncio.CancelledError):
             desk.withdraw(work)  # its sender stopped waiting: it will send this work again, elsewhere
             raise
+
+    async def RoundAverage(
+        self, request: pb.AverageRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StateMessage]:
+        """The average of our round that carried the caller's sponsored work, with the digest of the state it
+        produced here, so the caller takes the outer step itself (peerd/sponsored.py) at half a state download."""
+        sender = await self.checks.verify(request, "RoundAverage", context)
+        try:
+            self.checks.limits.check_rate(f"key:{sender}")
+        except LimitExceeded as exc:
+            await self.checks.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"RoundAverage: {exc}")
+        desk = self.desk()
+        kept = desk.average_for(request.step, sender) if desk is not None else None
+        if kept is None or self.identity is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"RoundAverage: no average of a round for step {request.step} that carried your work here; "
+                "download the state instead",
+            )
+        # Our trainer publishes the state the average produced once it evaluated it: wait for that, while the
+        # caller does (it downloads the state if we never do)
+        left = context.time_remaining()
+        deadline = time.monotonic() + (AVERAGE_WAIT_S if left is None else max(left - 1.0, 0.0))
+        step, digest = self.published()
+        while step <= kept.step and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            step, digest = self.published()
+        if step != kept.step + 1:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"RoundAverage: our state is at step {step}, not {kept.step + 1}; download the state instead",
+            )
+        snap = StateSnapshot(kept.step, {"average": kept.average}, kept.included)
+        for msg in state_messages(snap, self.identity, self.cfg.network.chunk_bytes, next_digest=digest):
+            self.count_sent("state", len(msg.chunk), len(msg.chunk))
+            yield msg
 
     async def _refuse_stream(
         self, context: grpc.aio.ServicerContext, prefix: str, exc: StreamError | CodecError

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from peerd.codecs import Codec, CodecError
-from peerd.envelope import Verifier
+from peerd.envelope import Verifier, sign
 from peerd.identity import Identity
-from peerd.streams import StreamError, read_tensor, tensor_messages
+from peerd.statesync import StateSnapshot, read_state
+from peerd.streams import StreamError, prepend, read_tensor, tensor_messages
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_name, codec_to_wire, kind_name, kind_to_wire
 
@@ -76,6 +77,17 @@ class SponsoredWork:
             self.answer.set_result(resp)
 
 
+@dataclass(frozen=True)
+class KeptAverage:
+    """Our latest round that carried sponsored work: its average, served to the peers it carried (RoundAverage), so
+    each applies the outer step itself instead of downloading the whole state."""
+
+    step: int
+    average: torch.Tensor  # float32, CPU: what every member applied
+    included: int  # the distinct peers the round included: the state's work grows by that much
+    carried: frozenset[str]  # the sponsored peers whose work rode in it: only they may ask
+
+
 class SponsorDesk:
     """The sponsor's side: contributions arrive on the loop (`receive`), the training thread takes them into a round
     (`take`) and reports what became of them (`settle`). One held contribution per peer; thread-safe."""
@@ -102,6 +114,7 @@ class SponsorDesk:
         self._lock = threading.Lock()
         self.clipped = 0  # sponsored contributions scaled down to what the owners accept of us
         self.closed = False  # our last round is done: nothing we hold will be included by us
+        self._average: KeptAverage | None = None
 
     def accepting(self, peer_id: str) -> Refusal | None:
         """Why we would not hold `peer_id`'s work now (None if we would)."""
@@ -196,6 +209,19 @@ class SponsorDesk:
         if included_step is not None:
             for w in taken:
                 w.reply(included_step)
+
+    def keep_average(self, step: int, average: torch.Tensor, included: int, carried: Iterable[str]) -> None:
+        """Our round for `step` carried `carried`'s work: keep its average for them (only the latest round's; call
+        before `settle` answers them, so it is here when they ask)."""
+        kept = KeptAverage(step, average.detach().to("cpu", torch.float32).clone(), included, frozenset(carried))
+        with self._lock:
+            self._average = kept
+
+    def average_for(self, step: int, peer_id: str) -> KeptAverage | None:
+        """The average of our round for `step`, if we still keep it and it carried `peer_id`'s work."""
+        with self._lock:
+            kept = self._average
+        return kept if kept is not None and kept.step == step and peer_id in kept.carried else None
 
     def close(self) -> None:
         """We run no more rounds (our last step is done, or we stop): give every held contribution back."""
@@ -306,3 +332,19 @@ async def upload(
     )
     messages = tensor_messages(header, frame, identity, run_id, chunk_bytes)
     return await stub.Sponsor(messages, timeout=timeout)
+
+
+async def fetch_average(
+    stub: Any, identity: Identity, run_id: bytes, step: int, numel: int, sender_key: bytes, timeout: float
+) -> tuple[StateSnapshot, bytes]:
+    """Download the average of our sponsor's round for `step` (RoundAverage): the snapshot holds it as "average",
+    with the round's included count as its work; also returns the digest of the state it must produce. Checked as a
+    state download is: sizes before allocating, the signed digest, no NaN or Inf."""
+    req = sign(pb.AverageRequest(step=step), "RoundAverage", identity, run_id)
+    it = stub.RoundAverage(req, timeout=timeout).__aiter__()
+    first = await it.__anext__()
+    head = first.header if first.WhichOneof("part") == "header" else None
+    if head is None or head.outer_step != step or len(head.next_digest) != 32:
+        raise StreamError("malformed", f"RoundAverage: expected a header for step {step} naming the next digest")
+    snap = await read_state(prepend(first, it), {"average": (numel,)}, sender_key)
+    return snap, bytes(head.next_digest)

@@ -5,10 +5,16 @@ it does what its link allows, and never waits for it:
 
 1. nothing in flight: snapshot its pseudo-gradient (global - local) and upload it to its sponsor, in the background;
 2. the upload is in flight: train on;
-3. the sponsor answered that its round for step S included the work: download the state of step S + 1 or newer, in
-   the background, and train on;
-4. the state arrived: adopt it, and put the work done since the snapshot back on top (local = new global - work
-   since), so no inner step is lost; then back to 1, once the delay the sponsor's answers taught us has passed.
+3. the sponsor answered that its round for step S included the work: if we hold state S, ask the sponsor for that
+   round's average (Rounds.RoundAverage); otherwise download the state of step S + 1 or newer. Either in the
+   background, training on;
+4. the average arrived: take the outer step as the members did, and check the state against the digest the sponsor
+   published for S + 1 (a mismatch, or no average: download the state instead). Or the state arrived: adopt it.
+   Then put the work done since the snapshot back on top (local = new global - work since), so no inner step is
+   lost; then back to 1, once the delay the sponsor's answers taught us has passed.
+
+Why the average: it is the model's size once, where a state download is params and outer momentum, twice that. On a
+slow link the download is most of the cycle, and the work trained meanwhile is trained on the state before.
 
 The delay: work trained before we adopt the newest state is one round stale when it is applied. The sponsor tells
 how long it held each upload before its round took it (`held_ms`), and the next snapshot is taken that much later,
@@ -48,6 +54,7 @@ class SponsoredStats:
     sent: int = 0  # uploads the sponsor's round included
     resent: int = 0  # uploads that had to go again (sponsor lost, stale, refused)
     steps: int = 0  # inner steps behind the included uploads
+    applied: int = 0  # outer steps we took from our sponsor's round average (the rest: state downloads)
 
 
 class SponsoredPeer:
@@ -57,6 +64,7 @@ class SponsoredPeer:
         self.port = port
         self.upload: concurrent.futures.Future | None = None
         self.fetch: concurrent.futures.Future | None = None
+        self.fetching_average = False  # `fetch` is our sponsor's round average, not the whole state
         self.sent_from: torch.Tensor | None = None  # our local weights when we took the uploaded snapshot
         self.sent_steps = 0  # inner steps behind the upload in flight
         self.sent_base = 0  # the outer step it was based on: the round it aims for
@@ -149,7 +157,13 @@ class SponsoredPeer:
             self.stats.steps += self.sent_steps
             log.info("our work (%d inner steps) is in the swarm's round for step %d, via sponsor %s",
                      self.sent_steps, resp.included_step, self.sponsor[:8])  # fmt: skip
-            self._start_fetch(trainer, algo, resp.included_step + 1)
+            if resp.included_step == trainer.outer_step:  # we hold the state that round started from
+                self.fetching_average = True
+                numel = algo.global_params.numel()
+                timeout = trainer.cfg.network.round_timeout
+                self.fetch = self.port.fetch_average(self.sponsor, resp.included_step, numel, timeout)
+            else:
+                self._start_fetch(trainer, algo, resp.included_step + 1)
             return
         if resp is not None:
             log.warning("sponsor %s gave our work back (%s): downloading the swarm's state, keeping the work",
@@ -180,6 +194,8 @@ class SponsoredPeer:
 
     def _adopt(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
         assert self.fetch is not None and self.sent_from is not None
+        if self.fetching_average:
+            return self._apply_average(trainer, algo)
         try:
             snap = self.fetch.result()
         except Exception as exc:  # nobody serves it yet, or a download that failed its checks: try again
@@ -196,6 +212,32 @@ class SponsoredPeer:
         self.sent_from = None
         return StepDone(trainer.outer_step)
 
+    def _apply_average(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
+        """Take the outer step of the round that carried our work from its average, as the members did; anything
+        wrong (no average, or a state that is not the one the sponsor published) falls back to the state download."""
+        assert self.fetch is not None and self.sent_from is not None
+        fut, self.fetch, self.fetching_average = self.fetch, None, False
+        step = trainer.outer_step
+        try:
+            snap, digest = fut.result()
+            applied = algo.apply_average(trainer, snap.tensors["average"], snap.work, digest)
+            why = "" if applied else "the state it gave differs from the one the sponsor published"
+        except Exception as exc:  # refused, gone, a malformed stream: the state download still gets us there
+            why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else (str(exc) or type(exc).__name__)
+        if why:
+            log.warning("could not take step %d from sponsor %s's round average (%s): downloading the state",
+                        step, self.sponsor[:8], why)  # fmt: skip
+            self._start_fetch(trainer, algo, step + 1)
+            return None
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        since = self.sent_from.to(local.device) - local  # the work we did while our upload travelled
+        trainer.layout.unflatten_into(algo.global_params.to(local.device) - since, trainer.model)
+        self.sent_from = None
+        self.stats.applied += 1
+        log.info("took step %d from sponsor %s's round average (half the bytes of a state download)",
+                 step + 1, self.sponsor[:8])  # fmt: skip
+        return StepDone(step + 1)
+
     def close(self) -> None:
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=False, cancel_futures=True)
@@ -210,3 +252,5 @@ class DiLoCoLike(Protocol):
     carried_in_a_row: int
 
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def apply_average(self, trainer: Trainer, average: torch.Tensor, included: int, digest: bytes) -> bool: ...

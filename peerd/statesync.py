@@ -78,9 +78,14 @@ def state_digest(step: int, tensors: dict[str, torch.Tensor], work: int = 0) -> 
 
 
 def state_messages(
-    snapshot: StateSnapshot, identity: Identity, chunk_bytes: int, ranges: Ranges | None = None
+    snapshot: StateSnapshot,
+    identity: Identity,
+    chunk_bytes: int,
+    ranges: Ranges | None = None,
+    next_digest: bytes = b"",
 ) -> Iterator[pb.StateMessage]:
-    """The state as a stream; with `ranges` (checked by the caller) only those slices of every tensor."""
+    """The state as a stream; with `ranges` (checked by the caller) only those slices of every tensor.
+    `next_digest`: a round average's stream (Rounds.RoundAverage) names the digest of the state it produces."""
     names = sorted(snapshot.tensors)
     if ranges:
         flats = [snapshot.tensors[n].reshape(-1) for n in names]
@@ -98,6 +103,7 @@ def state_messages(
         state_digest=snapshot.digest,
         work=snapshot.work,
         ranges=[v for pair in ranges or () for v in pair],
+        next_digest=next_digest,
     )
     yield pb.StateMessage(header=header)
     for blob in blobs:

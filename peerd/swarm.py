@@ -30,6 +30,7 @@ from peerd.pair_exchange import PairSettings
 from peerd.pairing import Pairing, PairOutcome
 from peerd.relay import RelayTransport, pair_targets
 from peerd.sponsor import SponsorDesk, SponsoredWork, SponsorProbe, choose_sponsor
+from peerd.sponsor import fetch_average as sponsor_average
 from peerd.sponsor import upload as sponsor_upload
 from peerd.statesync import StateSnapshot
 from peerd.timings import RECOVER
@@ -68,8 +69,15 @@ class SponsorPort(Protocol):
     def upload(self, sponsor: str, vector: torch.Tensor, base_step: int, tokens: int) -> concurrent.futures.Future:
         """Send our pseudo-gradient to `sponsor`; the future's result is its pb.SponsorResponse."""
 
+    def fetch_average(self, sponsor: str, step: int, numel: int, timeout: float) -> concurrent.futures.Future:
+        """Download the average of `sponsor`'s round for `step`, which carried our work; the future's result is
+        (its snapshot: "average", work = the peers included; the digest of the state step + 1)."""
+
     def take(self, step: int, own_norm: float) -> list[SponsoredWork]:
         """Sponsored work our round for `step` carries; `own_norm` is our own pseudo-gradient's (the screen)."""
+
+    def keep_average(self, step: int, average: torch.Tensor, included: int, carried: Sequence[str]) -> None:
+        """Our round for `step` carried `carried`'s work: serve its average to them (call before `settle`)."""
 
     def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
         """Our round with `taken` completed at `included_step`, or failed (None: hold them for the next)."""
@@ -251,8 +259,24 @@ class _DaemonSponsoring:
 
         return asyncio.run_coroutine_threadsafe(send(), d.loop)
 
+    def fetch_average(self, sponsor: str, step: int, numel: int, timeout: float) -> concurrent.futures.Future:
+        d = self.daemon
+        assert d.loop is not None
+
+        async def get() -> tuple[StateSnapshot, bytes]:
+            info = d.membership.get(sponsor)
+            if info is None or d.channels is None:
+                raise RoundFailed(f"sponsor {sponsor[:8]} is not in our table")
+            stub = d.channels.rounds(info.address, info)
+            return await sponsor_average(stub, d.identity, d.run_id, step, numel, info.public_key, timeout)
+
+        return asyncio.run_coroutine_threadsafe(get(), d.loop)
+
     def take(self, step: int, own_norm: float) -> list[SponsoredWork]:
         return self.desk.take(step, own_norm)
+
+    def keep_average(self, step: int, average: torch.Tensor, included: int, carried: Sequence[str]) -> None:
+        self.desk.keep_average(step, average, included, carried)
 
     def settle(self, taken: list[SponsoredWork], included_step: int | None) -> None:
         self.desk.settle(taken, included_step)

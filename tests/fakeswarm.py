@@ -42,6 +42,12 @@ class FakeSponsoring:
 
     def settle(self, taken: list, included_step: int | None) -> None: ...
 
+    def fetch_average(self, sponsor: str, step: int, numel: int, timeout: float) -> concurrent.futures.Future:
+        raise AssertionError("FakeSponsoring never names a sponsor")
+
+    def keep_average(self, step: int, average: torch.Tensor, included: int, carried: Sequence[str]) -> None:
+        raise AssertionError("FakeSponsoring hands out no sponsored work to carry")
+
     def probes(self) -> tuple[int, int]:
         return 0, 0
 

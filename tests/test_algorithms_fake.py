@@ -272,3 +272,43 @@ def test_diloco_drops_work_that_no_round_took_for_two_windows(tmp_path: Path) ->
     done = [trainer.inner_step() for _ in range(3)][-1]  # a fresh window contributes again
     assert done is not None and done.step == 1
     assert torch.allclose(swarm.vectors[-1], torch.full_like(g0, -0.03))
+
+
+def test_diloco_sponsored_peer_takes_the_outer_step_from_the_round_average(tmp_path: Path) -> None:
+    """RoundAverage: a sponsored peer holding state S applies S's round average and ends bit-identical to the
+    members (the digest they published); a digest that differs leaves its state, momentum included, untouched."""
+    from peerd.statesync import state_digest
+
+    averages: list[torch.Tensor] = []
+    swarm = FakeSwarm(others=lambda step, fragment, v: [torch.full_like(v, 0.02 * (step + 1))])
+    member = setup(tmp_path / "m", "diloco", swarm)
+    member.inner_step()
+    member.inner_step()
+    assert member.inner_step() is not None  # step 0 -> 1: momentum is non-zero from here on
+    before = {k: v.clone() for k, v in member.algorithm.state_tensors().items()}
+    work = member.algorithm.work
+    orig_allreduce = swarm.allreduce
+
+    def recording(*args: object, **kwargs: object) -> object:
+        result = orig_allreduce(*args, **kwargs)
+        averages.append(result.average.clone())
+        return result
+
+    swarm.allreduce = recording  # type: ignore[method-assign]
+    for _ in range(3):
+        member.inner_step(0.005)
+    assert member.outer_step == 2 and len(averages) == 1
+    after = member.algorithm.state_tensors()
+    digest = state_digest(2, after, member.algorithm.work)
+
+    peer = setup(tmp_path / "p", "diloco", FakeSwarm())
+    peer.adopt(StateSnapshot(1, before, work), "sponsored")
+    included = member.algorithm.work - work
+    wrong = state_digest(2, after, member.algorithm.work + 1)
+    assert not peer.algorithm.apply_average(peer, averages[0], included, wrong)
+    held = peer.algorithm.state_tensors()
+    assert all(torch.equal(held[k], before[k]) for k in before) and peer.algorithm.work == work
+    assert peer.algorithm.apply_average(peer, averages[0], included, digest)
+    peer.outer_step = 2
+    mine = peer.algorithm.state_tensors()
+    assert all(torch.equal(mine[k], after[k]) for k in after) and peer.algorithm.work == member.algorithm.work

@@ -473,6 +473,14 @@ class MatchResponse(_message.Message):
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., round_id: _Optional[bytes] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class AverageRequest(_message.Message):
+    __slots__ = ("auth", "step")
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    auth: Auth
+    step: int
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
 class SponsorResponse(_message.Message):
     __slots__ = ("included_step", "reason", "held_ms")
     INCLUDED_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -518,20 +526,22 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "work", "ranges")
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "work", "ranges", "next_digest")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WORK_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     state_digest: bytes
     work: int
     ranges: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+    next_digest: bytes
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ..., next_digest: _Optional[bytes] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

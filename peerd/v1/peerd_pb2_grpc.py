@@ -362,6 +362,11 @@ class RoundsStub:
                 request_serializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
                 response_deserializer=peerd_dot_v1_dot_peerd__pb2.SponsorResponse.FromString,
                 _registered_method=True)
+        self.RoundAverage = channel.unary_stream(
+                '/peerd.v1.Rounds/RoundAverage',
+                request_serializer=peerd_dot_v1_dot_peerd__pb2.AverageRequest.SerializeToString,
+                response_deserializer=peerd_dot_v1_dot_peerd__pb2.StateMessage.FromString,
+                _registered_method=True)
 
 
 class RoundsServicer:
@@ -440,6 +445,18 @@ class RoundsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RoundAverage(self, request, context):
+        """The average of our round for `step` that carried the caller's sponsored work (peerd/sponsor.py): a state stream
+        (State.Download's format) of one tensor, "average", with outer_step = step, work = the peers the round included,
+        and next_digest = the digest of the state step + 1 that the sponsor published after applying it. The caller,
+        which holds state `step`, applies the outer step itself and checks the result against next_digest: bit-identical,
+        at half the bytes of a state download. Deadline: network.round_timeout. NOT_FOUND: we keep only our latest
+        round's average, and only for the peers it carried (the caller downloads the state instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoundsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -472,6 +489,11 @@ def add_RoundsServicer_to_server(servicer, server):
                     servicer.Sponsor,
                     request_deserializer=peerd_dot_v1_dot_peerd__pb2.TensorMessage.FromString,
                     response_serializer=peerd_dot_v1_dot_peerd__pb2.SponsorResponse.SerializeToString,
+            ),
+            'RoundAverage': grpc.unary_stream_rpc_method_handler(
+                    servicer.RoundAverage,
+                    request_deserializer=peerd_dot_v1_dot_peerd__pb2.AverageRequest.FromString,
+                    response_serializer=peerd_dot_v1_dot_peerd__pb2.StateMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -636,6 +658,33 @@ class Rounds:
             '/peerd.v1.Rounds/Sponsor',
             peerd_dot_v1_dot_peerd__pb2.TensorMessage.SerializeToString,
             peerd_dot_v1_dot_peerd__pb2.SponsorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RoundAverage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/peerd.v1.Rounds/RoundAverage',
+            peerd_dot_v1_dot_peerd__pb2.AverageRequest.SerializeToString,
+            peerd_dot_v1_dot_peerd__pb2.StateMessage.FromString,
             options,
             channel_credentials,
             insecure,
