@@ -196,7 +196,7 @@ class DiLoCo(OuterAlgorithm):
         if old is not None:
             self.outer.buffers[None] = old.clone()  # the step updates the momentum in place: keep ours until checked
         self.outer.step(params, average.to(params.device))
-        state = {"params": params, "outer_momentum": self.outer.buffers[None]}
+        state = _named_state(params, self.outer.buffers[None])
         if state_digest(trainer.outer_step + 1, state, self.work + included) != digest:
             if old is None:
                 del self.outer.buffers[None]
@@ -211,9 +211,14 @@ class DiLoCo(OuterAlgorithm):
         momentum = self.outer.buffers.get(None)
         if momentum is None:
             momentum = torch.zeros_like(self.global_params)
-        return {"params": self.global_params.clone(), "outer_momentum": momentum.clone()}
+        return _named_state(self.global_params.clone(), momentum.clone())
 
     def load_state_tensors(self, trainer: Trainer, tensors: dict[str, torch.Tensor]) -> None:
         self.global_params = tensors["params"].float().clone()
         self.outer.buffers[None] = tensors["outer_momentum"].float().clone()
         trainer.layout.unflatten_into(self.global_params, trainer.model)
+
+
+def _named_state(params: torch.Tensor, momentum: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DiLoCo's state tensors by name: what is served, downloaded and digested (one layout for all three)."""
+    return {"params": params, "outer_momentum": momentum}

@@ -203,13 +203,11 @@ class SponsoredPeer:
             self.fetch = None
             return None
         self.fetch = None
-        local = trainer.layout.flatten(trainer.model).detach().float()
-        since = self.sent_from.to(local.device) - local  # the work we did while our upload travelled
         if snap.step < trainer.outer_step:
             return None  # an older state than ours (a peer lagging behind served it): keep ours, ask again
+        since = self._work_since(trainer)  # before adopting: that overwrites our weights
         trainer.adopt(snap, "sponsored")
-        trainer.layout.unflatten_into(algo.global_params.to(local.device) - since, trainer.model)
-        self.sent_from = None
+        self._put_back(trainer, algo, since)
         return StepDone(trainer.outer_step)
 
     def _apply_average(self, trainer: Trainer, algo: DiLoCoLike) -> StepDone | None:
@@ -229,14 +227,22 @@ class SponsoredPeer:
                         step, self.sponsor[:8], why)  # fmt: skip
             self._start_fetch(trainer, algo, step + 1)
             return None
-        local = trainer.layout.flatten(trainer.model).detach().float()
-        since = self.sent_from.to(local.device) - local  # the work we did while our upload travelled
-        trainer.layout.unflatten_into(algo.global_params.to(local.device) - since, trainer.model)
-        self.sent_from = None
+        self._put_back(trainer, algo, self._work_since(trainer))
         self.stats.applied += 1
         log.info("took step %d from sponsor %s's round average (half the bytes of a state download)",
                  step + 1, self.sponsor[:8])  # fmt: skip
         return StepDone(step + 1)
+
+    def _work_since(self, trainer: Trainer) -> torch.Tensor:
+        """The work we did while our upload travelled, as a pseudo-gradient: the snapshot's weights minus ours now."""
+        assert self.sent_from is not None
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        return self.sent_from.to(local.device) - local
+
+    def _put_back(self, trainer: Trainer, algo: DiLoCoLike, since: torch.Tensor) -> None:
+        """The new global state with that work on top (local = global - since): no inner step is lost."""
+        trainer.layout.unflatten_into(algo.global_params.to(since.device) - since, trainer.model)
+        self.sent_from = None
 
     def close(self) -> None:
         if self._fetcher is not None:

@@ -104,7 +104,8 @@ def _check_sponsored_run(peers: list, slow: int, averaged: bool = False) -> None
     assert "sending our work through sponsor" in peers[slow].log()
     mine = summaries[slow]["sponsored"]
     assert mine["sent"] >= 1, mine
-    assert mine["applied"] >= 1 if averaged else mine["applied"] >= 0, mine
+    if averaged:
+        assert mine["applied"] >= 1, mine
     assert summaries[slow]["discarded_steps"] == 0
     carried = sum(s["sponsored"]["carried"] for i, s in enumerate(summaries) if i != slow)
     assert carried >= mine["sent"], [s["sponsored"] for s in summaries]
