@@ -174,6 +174,7 @@ class Worker:
         self.algorithm = make_algorithm(self)
         self.autocast = self.device.type == "cuda"
         self.step_delay = faults.step_delay()
+        self._overtaken_check = 0.0  # monotonic time of the next `overtaken` look at the swarm
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
     def set_state(self, state: str) -> None:
@@ -314,6 +315,16 @@ class Worker:
             stop.wait(interval)
         return False
 
+    def overtaken(self, target: int) -> bool:
+        """The run ended without us: a live peer holds the last outer step while we are two or more short of it, so
+        every round we could still join is over. Adopt its final state now, while the finished peers linger to serve
+        it, rather than train on alone and finish on a model of our own. (One step short is the normal tail of a
+        round; the boundary's own check covers it.) Looks at the swarm at most once per gossip interval."""
+        if target <= 0 or not self.ranked or self.outer_step > target - 2 or time.monotonic() < self._overtaken_check:
+            return False
+        self._overtaken_check = time.monotonic() + self.cfg.network.gossip_interval
+        return self.swarm.swarm_step() >= target and self.heal()
+
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self.resume()
@@ -327,6 +338,9 @@ class Worker:
                 if not self.linger(stop):
                     break
                 self.sync_ranks()  # a state adopted while lingering
+                continue
+            if self.overtaken(target):
+                self.sync_ranks()
                 continue
             self.train_one_inner_step()
             mark = self._fingerprint()

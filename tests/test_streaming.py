@@ -4,6 +4,7 @@ delayed exchange under both late-exchange policies)."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -452,3 +453,24 @@ def test_late_joiner_downloads_state_and_ends_identical(tmp_path: Path) -> None:
     assert joined["syncs"] and joined["syncs"][-1]["included"] == 3, joined["syncs"][-3:]
     for d in dirs[:2]:  # the first peers' last rounds averaged all three
         assert stats_of(d)["syncs"][-1]["included"] == 3
+
+
+@pytest.mark.slow
+def test_a_peer_left_behind_when_the_run_ends_takes_its_final_state(tmp_path: Path) -> None:
+    """A peer two or more outer steps behind when the swarm finishes (here frozen mid-run, then slower than the
+    others linger) takes the final state at once instead of training on alone to its next boundary, by which time
+    nobody would serve it: it ends on the run's model. Without Worker.overtaken it finishes on a model of its own."""
+    cfg = tiny_config(tmp_path, run__outer_steps=8, inner__steps=20, network__linger=4.0, **STREAMING)
+    swarm = Swarm(tmp_path, 2, cfg, env={"PEERD_FAULT_STEP_DELAY_S": "0.03"})
+    with swarm:
+        swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 1, 120, "outer step 1")
+        behind = swarm.add_peer(bootstrap_index=0, env={"PEERD_FAULT_STEP_DELAY_S": "0.5"})  # 10 s a cycle
+        swarm.wait_until(lambda: "downloaded state at step" in behind.log(), 60, "the joiner's download")
+        behind.proc.send_signal(signal.SIGSTOP)
+        try:
+            swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 8, 180, "the swarm's last step")
+        finally:
+            behind.proc.send_signal(signal.SIGCONT)
+        swarm.wait_exit(120)
+    assert behind.summary()["outer_step"] == 8
+    assert_identical_globals([p.data_dir for p in swarm.peers])
