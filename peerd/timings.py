@@ -75,6 +75,7 @@ class PeerTimings:
         self.confirm = confirm
         self.recover = recover
         self.peers: dict[str, PeerStats] = {}
+        self._held_up: set[str] = set()  # peers whose contributions reached us late in the last round
         self.flag_events = 0  # verdicts given (a peer turning slow or faulty), for metrics
 
     def stats(self, peer_id: str) -> PeerStats:
@@ -101,22 +102,30 @@ class PeerTimings:
         longer than LAG_FLOOR_S), the tokens behind it. Judges each member against the round's median.
         Returns the peers newly flagged slow."""
         judged: dict[str, tuple[str, str]] = {}  # pid -> (kind of measure, why)
+        delivered = self._outliers(delivery_s or {}, high=True, floor=LAG_FLOOR_S, what="delivered")
+        # Knock-on lateness is not slowness: a contribution that reached its owner late holds that owner's averaged
+        # shard back (a late reply this round) and so everyone's start of the next round (late joins). While a late
+        # sender is judged, the peers that waited on it are not judged on those two measures.
+        excused = {"late": set(self._held_up), "replied": set(delivered)}
+        self._held_up = set(delivered)
         for pid, why in self._outliers(lag_s or {}, high=True, floor=LAG_FLOOR_S, what="late").items():
-            judged[pid] = ("late", why)
-        for pid, why in self._outliers(delivery_s or {}, high=True, floor=LAG_FLOOR_S, what="delivered").items():
+            if not excused["late"] - {pid}:
+                judged[pid] = ("late", why)
+        for pid, why in delivered.items():
             judged.setdefault(pid, ("delivered", why))
         for pid, why in self._outliers(reply_s or {}, high=True, floor=LAG_FLOOR_S, what="replied").items():
-            judged.setdefault(pid, ("replied", why))
+            if not excused["replied"] - {pid}:
+                judged.setdefault(pid, ("replied", why))
         for pid, why in self._outliers(throughput or {}, high=False, floor=0.0, what="throughput").items():
             # a slow stream matters (and is told apart from scheduling jitter) only when it took a while
             if (stream_s or {}).get(pid, LAG_FLOOR_S + 1) > LAG_FLOOR_S:
                 judged.setdefault(pid, ("throughput", why))
         for pid, why in self._outliers({k: float(v) for k, v in (tokens or {}).items()}, False, 0.0, "tokens").items():
             judged.setdefault(pid, ("tokens", why))
-        measured = {
-            "late": set(lag_s or {}),
+        measured = {  # a measure excused this round is no evidence either way
+            "late": set(lag_s or {}) if not excused["late"] else set(),
             "delivered": set(delivery_s or {}),
-            "replied": set(reply_s or {}),
+            "replied": set(reply_s or {}) if not excused["replied"] else set(),
             "throughput": set(throughput or {}),
             "tokens": set(tokens or {}),
         }

@@ -60,6 +60,21 @@ def test_little_work_or_low_throughput_is_slow_too_and_pairs_judge_nobody() -> N
     assert t3.verdicts("slow") == []
 
 
+def test_an_owner_held_up_by_a_late_sender_is_not_flagged_but_the_sender_is() -> None:
+    """A slow uplink's contribution reaches owner c's shard late, so c's averaged shard reaches the others late and c
+    starts the next round late (seen in CI: a fast owner flagged slow once the slow peer left the rounds). Only the
+    late sender is judged; a late reply with no late sender behind it (a slow downlink) still is."""
+    t = PeerTimings("b")
+    for _ in range(CONFIRM + 1):
+        t.round(delivery_s={"a": 0.1, "b": 0.1, "c": 0.1, "d": 3.0}, reply_s={"a": 0.1, "b": 0.1, "c": 3.2, "d": 0.1})
+    assert t.verdicts("slow") == ["d"]
+    t.round(lag_s={"a": 0.05, "b": 0.05, "c": 3.9})  # d left the rounds; c still joins late, from the last one
+    assert t.verdicts("slow") == ["d"]
+    for _ in range(CONFIRM):  # a late reply of c's own: no late sender behind it
+        t.round(delivery_s={"a": 0.1, "b": 0.1, "c": 0.1}, reply_s={"a": 0.1, "b": 0.1, "c": 3.2})
+    assert "c" in t.verdicts("slow")
+
+
 def test_faulty_after_repeated_blame_healed_by_successes() -> None:
     t = PeerTimings("a")
     for _ in range(CONFIRM):
