@@ -457,6 +457,9 @@ def _log_outer_step(worker: object) -> None:
     rnd = st.last_round
     peers = f"{len(rnd.included)}/{len(rnd.expected)}" if rnd is not None else "-"
     secs = f"{rnd.seconds:.2f}s" if rnd is not None else "-"
+    sponsor = worker.daemon.me.sponsor
+    if sponsor:  # our work goes through a sponsor's rounds: our own last round is old news, not this step's
+        peers, secs = f"via sponsor {sponsor[:8]}", "-"
     logging.getLogger("peerd").info(
         "outer step %d | loss %.4f | eval %.4f | %.0f tok/s | peers %s | sent %.2f MB (wire %.2f MB) | round %s",
         st.outer_step,

@@ -102,6 +102,7 @@ def _check_sponsored_run(peers: list, slow: int, averaged: bool = False) -> None
     summaries = [p.summary() for p in peers]
     slow_id = summaries[slow]["peer_id"]
     assert "sending our work through sponsor" in peers[slow].log()
+    assert "| peers via sponsor " in peers[slow].log()  # its step lines show no round of its own
     mine = summaries[slow]["sponsored"]
     assert mine["sent"] >= 1, mine
     if averaged:
