@@ -208,8 +208,13 @@ def test_partner_dies_mid_exchange_and_the_survivor_steps_on(tmp_path: Path, mon
     # A tiny model's fp32 tensor is about 30 chunks of 16 KiB; at step 0 phi - phi_ref is all zeros (one chunk).
     # So 45 chunks end the victim inside the slow weights it sends in its second exchange.
     monkeypatch.setenv(FAULT_ENV, "45")
+    # Paced, the victim reaches each boundary after the survivor, who so proposes: the victim dies while streaming its
+    # contribution to us. (As the proposer, dying before any tensor of its arrived, it just is no partner: we step
+    # alone; CI once drew that role.)
+    monkeypatch.setenv("PEERD_FAULT_STEP_DELAY_S", "0.05")
     victim = swarm.spawn(1, survivor.address, wait_peers=2)
     monkeypatch.delenv(FAULT_ENV)
+    monkeypatch.delenv("PEERD_FAULT_STEP_DELAY_S")
     swarm.peers.append(victim)
     try:
         assert victim.wait(240) == 17, victim.log_tail()  # the fault injector's exit code
