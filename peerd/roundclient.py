@@ -411,6 +411,12 @@ class RoundClient:
                     rnd.member_lost,  # the round goes on without it (allreduce.py)
                     incarnations,
                 )
+                if result.lost and len(set(result.included)) < 2 <= len(rnd.ids):
+                    # Every other member looked lost: owners that abort a round end our streams as dead ones do, and
+                    # we fell back to reducing every shard ourselves. A round of us alone is a fork for this step
+                    # while the others retry together (seen in CI): fail it and retry with them. Peers that really
+                    # died leave a rendezvous of one, the honest solo step.
+                    raise RoundFailed(f"every other member left the round ({len(result.lost)} lost)", set(), "aborted")
             except RoundFailed as exc:
                 watch.cancel()
                 failed_round = bytes(group.round_id)
