@@ -571,7 +571,9 @@ class ReduceRound:
                 # The owner ended the stream while our parts were still going out: grpc then reports its own failed
                 # write, not the owner's status. The owner died, or aborted its round. Either way its shard moves
                 # on: if it aborted, its round failed and so will the fallback's (the abort reaches every member), so
-                # a live owner's shard is never reduced twice. It names nobody: an aborting owner may be honest.
+                # a live owner's shard is never reduced twice; where the fallback is us and every other owner went
+                # the same way, the round client fails our round of one (roundclient.py). It names nobody: an
+                # aborting owner may be honest.
                 raise OwnerLost(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing" in (exc.details() or ""):
                 raise StreamLate(f"our stream to {pid[:8]} was late: {exc.details()}") from exc
