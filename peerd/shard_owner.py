@@ -361,10 +361,14 @@ class ShardOwner:
                     kind=kind_to_wire("gather"),
                 )
                 await faults.GATHER_EXIT.claim()
-                msgs, chain = part_messages(header, frame, ctx.identity, ctx.run_id, ctx.chunk_bytes, chain, ctx.stats)
-                for msg in msgs:
-                    yield msg
-                faults.GATHER_EXIT.done()
+                try:
+                    msgs, chain = part_messages(
+                        header, frame, ctx.identity, ctx.run_id, ctx.chunk_bytes, chain, ctx.stats
+                    )
+                    for msg in msgs:
+                        yield msg
+                finally:  # also when the member ends the call at our last message: a claim never done hangs the rest
+                    faults.GATHER_EXIT.done()
             await reader  # done by now (our last part needed all of its parts); raises what it raised
         except asyncio.CancelledError:
             broke = True  # the member cancelled the call, or its process died

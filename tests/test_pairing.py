@@ -319,13 +319,16 @@ def test_a_peer_far_from_its_boundary_does_not_accept() -> None:
 
 
 def test_pairings_are_unbiased() -> None:
-    """Over many outer steps each peer meets every other peer about equally often."""
+    """Over many outer steps each peer meets every other peer about equally often. The pairings race (random
+    latencies, real scheduling), so a partner's count is about Binomial(60, 1/3): mean 20, sd 3.7. At most 6 happens
+    by chance once in about 12,000 runs (45 steps and at most 6 failed one CI run in about 160); a real bias (a
+    partner seldom or never drawn) still fails it."""
 
     async def main() -> Counter[tuple[str, str]]:
         net = Net(seed=11)
         peers = [net.add(settings(), 4, seed=1000 + i) for i in range(4)]
         met: Counter[tuple[str, str]] = Counter()
-        for step in range(45):
+        for step in range(60):
             for p in peers:
                 net.infos[p.my_id].outer_step = step
             outcomes = await run_all(peers, step=step, numel=4)
@@ -338,8 +341,8 @@ def test_pairings_are_unbiased() -> None:
     ids = sorted({a for a, _ in met})
     for a in ids:
         counts = [met[(a, b)] for b in ids if b != a]
-        assert sum(counts) >= 40, counts  # nearly every step paired
-        assert min(counts) >= 7, f"{a[:8]} met its partners {counts} times (expected about 15 each)"
+        assert sum(counts) >= 54, counts  # nearly every step paired
+        assert min(counts) >= 7, f"{a[:8]} met its partners {counts} times (expected about 20 each)"
 
 
 def test_proposer_that_never_opens_the_stream_frees_the_accepter() -> None:
