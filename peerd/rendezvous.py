@@ -115,6 +115,8 @@ class RendezvousLeader:
                 return pb.RendezvousResponse(behind=step + 1)
             if fragment < 0 and behind_me:
                 return pb.RendezvousResponse(behind=self.my_step())
+            if fragment >= 0 and self._majority_elsewhere(key) is not None:
+                return pb.RendezvousResponse(behind=step + 1)
             pend = self._open(key, 0 if done is None else done.attempt + 1)
         # Who is kept out of the group even if it asks to join: a peer the leader blames (from its own failed
         # attempts at this step), or one that two members blame on their own evidence. A corrupt sender otherwise
@@ -139,6 +141,8 @@ class RendezvousLeader:
             pend.tokens[info.peer_id] = max(int(tokens), 0)
             pend.carries[info.peer_id] = sorted(set(carries[:8]) - {info.peer_id}) if carries else []
             pend.joined_at.setdefault(info.peer_id, time.monotonic())
+        if fragment >= 0:
+            self._not_coming(key, pend, info.peer_id)
         if pend.expected <= set(pend.joined):
             self._close(key)
         elif self.straggler_grace_s > 0 and not pend.grace_armed and 2 * len(pend.joined) > len(pend.expected):
@@ -216,6 +220,47 @@ class RendezvousLeader:
         ahead = sum(1 for p in m.alive() if p.peer_id != m.self_id and m.step_of(p) > step)
         return ahead > 0 and ahead >= joined
 
+    def _not_coming(self, key: Key, pend: _Pending, joiner: str) -> None:
+        """Fragment rounds: a peer that joined this round from another state (lineage) here will not come to ours,
+        and the joiner will not come to theirs. Neither group waits for the other's members: the majority waited a
+        whole deadline, every fragment round, for a peer that had just downloaded a state and joined alone."""
+        elsewhere: set[str] = set()
+        for other, group in self.closed.items():
+            if other[:2] == key[:2] and other != key:
+                elsewhere.update(p.peer_id for p in group.members)
+        for other, sibling in list(self.pending.items()):
+            if other[:2] != key[:2] or other == key:
+                continue
+            elsewhere.update(sibling.joined)
+            if joiner not in sibling.joined:
+                sibling.expected.discard(joiner)
+                if len(sibling.joined) >= 2 and sibling.expected <= set(sibling.joined):
+                    self._close(other)  # all its own are in; one alone waits for its deadline (or a majority)
+        pend.expected -= elsewhere - set(pend.joined)
+
+    def _majority_elsewhere(self, key: Key) -> pb.Group | None:
+        """A group closed for this fragment round from another state (lineage) that holds a majority of the live
+        peers: the state of `key` is a minority's, which that round leaves behind. Fragment rounds only: there peers
+        past the step may still join (the last fragment syncs at the boundary), so `_swarm_went_on` cannot tell."""
+        live = len(self.membership.alive())
+        for (step, fragment, lineage), group in self.closed.items():
+            if (step, fragment) == key[:2] and lineage != key[2] and 2 * len(group.members) > live:
+                return group
+        return None
+
+    def _leave_minorities_behind(self, key: Key, group: pb.Group) -> None:
+        """A majority's fragment round just closed: groups still open for the same round from other states close
+        empty, so their members resync at once (from the state they are now behind) instead of waiting out the
+        deadline and its extensions for peers that are in this round. A peer that downloaded a state just before the
+        swarm's next merge joined with the older lineage alone and waited 9 s (three 3 s deadlines) per fragment
+        round, twice in a row, after a heal (tests/test_partition.py, streaming)."""
+        if key[1] < 0 or 2 * len(group.members) <= len(self.membership.alive()):
+            return
+        for other, pend in list(self.pending.items()):
+            if other[:2] == key[:2] and other != key and len(pend.joined) < len(group.members):
+                pend.joined.clear()
+                self._close(other)
+
     def on_ahead(self, step: int) -> None:
         """Someone asked about a later step: pending groups for earlier steps cannot be the swarm's round; close them
         empty so their members resync instead of applying a round the rest of the swarm never saw."""
@@ -292,6 +337,7 @@ class RendezvousLeader:
                 del self.closed[old]
                 self.blamers.pop(old, None)
         pend.result.set_result(group)
+        self._leave_minorities_behind(key, group)
 
 
 def round_entry(info: pb.PeerInfo) -> pb.PeerInfo:

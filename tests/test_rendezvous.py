@@ -138,6 +138,46 @@ def test_lineages_never_share_or_block_a_group() -> None:
     asyncio.run(main())
 
 
+def test_a_fragment_round_a_majority_closed_from_another_state_leaves_the_minority_behind_at_once() -> None:
+    """Streaming after a heal: a peer that downloaded a state just before the swarm's next merge joins a fragment
+    round with the older lineage, alone. Once the majority's group for that round closes (from the newer state), the
+    minority's group closes empty and its member resyncs at once, where it used to wait out the deadline and two
+    extensions. An even split (2 and 2) is left as it was: neither half's state is the majority's."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        for p in (a, b, c):  # every peer in cycle 3 (or 5, below)
+            m.entries[p.peer_id].info.outer_step = 3
+        step = [3]
+        leader = RendezvousLeader(m, b"run", timeout_s=1.0, my_step=lambda: step[0])
+        old, new = b"A" * 32, b"B" * 32
+        t0 = asyncio.get_running_loop().time()
+        alone = asyncio.ensure_future(leader.join(3, 1, c, [], lineage=old))
+        await asyncio.sleep(0.05)
+        got = await asyncio.wait_for(
+            asyncio.gather(*(leader.join(3, 1, p, [], lineage=new) for p in (lead, a, b))), 4
+        )  # fmt: skip
+        assert {x.peer_id for x in got[0].group.members} == {lead.peer_id, a.peer_id, b.peer_id}
+        left = await asyncio.wait_for(alone, 0.5)  # at once, not after 3 deadlines
+        assert left.WhichOneof("result") == "behind" and left.behind == 4
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        late = await asyncio.wait_for(leader.join(3, 1, c, [], lineage=old), 0.5)  # asking again: behind at once
+        assert late.WhichOneof("result") == "behind"
+        for p in (a, b, c):
+            m.entries[p.peer_id].info.outer_step = 5
+        step[0] = 5
+        t1 = asyncio.get_running_loop().time()
+        # 2 and 2: both halves keep their own rounds (the split-brain rule, not the head count, picks the state)
+        halves = await asyncio.wait_for(
+            asyncio.gather(*(leader.join(5, 0, p, [], lineage=old if p in (a, c) else new) for p in (lead, a, b, c))),
+            4,
+        )
+        assert all(r.WhichOneof("result") == "group" and len(r.group.members) == 2 for r in halves)
+        assert asyncio.get_running_loop().time() - t1 < 0.5  # neither half waited for the other's members
+
+    asyncio.run(main())
+
+
 def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     exc = RoundFailed("bad contribution", {"x" * 32, "y" * 32})
     md = suspects_metadata(exc)
