@@ -43,6 +43,7 @@ class Gossip:
         self._alive_ids: set[str] = set()  # live peers at the last gossip tick (for the "lost" line)
         self._said_lost: set[str] = set()  # peers we logged lost and not yet live again
         self._remembered: tuple[tuple[str, str], ...] = ()  # what peercache holds now
+        self._inflight: dict[str, asyncio.Task] = {}  # peer id -> our gossip call to it still running
         net = daemon.cfg.network
         self.redialer = Redialer(
             lambda: [
@@ -154,6 +155,13 @@ class Gossip:
 
     async def gossip_loop(self, stopping: asyncio.Event) -> None:
         interval = self.d.cfg.network.gossip_interval
+        try:
+            await self._gossip_ticks(stopping, interval)
+        finally:
+            for task in list(self._inflight.values()):
+                task.cancel()
+
+    async def _gossip_ticks(self, stopping: asyncio.Event, interval: float) -> None:
         while not stopping.is_set():
             await asyncio.sleep(interval * random.uniform(0.7, 1.0))
             self.d.membership.bump()
@@ -161,14 +169,18 @@ class Gossip:
             self.refresh_timing()
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
-            targets = random.sample(others, min(3, len(others)))
+            free = [p for p in others if p.peer_id not in self._inflight]
+            targets = random.sample(free, min(3, len(free)))
             # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
-            chosen = {p.peer_id for p in targets}
+            chosen = {p.peer_id for p in targets} | set(self._inflight)
             probes = [p for p in self.d.membership.expiring() if p.peer_id not in chosen and dialable(p)]
-            if targets or probes:
-                await asyncio.gather(
-                    *(self._gossip_one(p) for p in targets), *(self._gossip_one(p, mark=False) for p in probes)
-                )
+            calls = [self._start(p, True) for p in targets] + [self._start(p, False) for p in probes]
+            if calls:
+                # Quick answers are merged before the bookkeeping below; a call to a peer behind a cut link runs on
+                # (up to its 2 s deadline) without holding the next tick. Waiting for every call made one
+                # unreachable target stretch each tick to 2 s, and a partition's own side then lost each other
+                # (heartbeats 2.2 s apart against a 2 s peer_timeout in tests/test_partition.py).
+                await asyncio.wait(calls, timeout=interval)
             view = self.d.membership.snapshot()
             self._note_lost(view.alive)
             self._remember(view.alive)
@@ -177,6 +189,20 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _start(self, peer: pb.PeerInfo, mark: bool) -> asyncio.Task:
+        """One gossip call as its own task, at most one in flight per peer (a slow one is not asked again meanwhile)."""
+        task = asyncio.ensure_future(self._gossip_one(peer, mark))
+        self._inflight[peer.peer_id] = task
+        task.add_done_callback(lambda t, pid=peer.peer_id: self._finished(pid, t))
+        return task
+
+    def _finished(self, peer_id: str, task: asyncio.Task) -> None:
+        if self._inflight.get(peer_id) is task:
+            del self._inflight[peer_id]
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.warning("gossip with %s failed unexpectedly: %s: %s", peer_id[:8], type(exc).__name__, exc)
 
     def _remember(self, alive: tuple[pb.PeerInfo, ...]) -> None:
         """Keep the live dialable peers in the data dir when they change (peerd/peercache.py). An empty view does not

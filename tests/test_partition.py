@@ -136,7 +136,12 @@ def test_halves_meet_again_without_the_bootstrap_peer(tmp_path: Path, monkeypatc
     summaries = [p.summary() for p in swarm.peers[1:]]
     _check_honest(summaries)
     assert all(s["finished"] for s in summaries)
-    assert "answers again" in swarm.peers[1].log() + swarm.peers[2].log() + swarm.peers[3].log()
+    # peer 1's half-mate (the bootstrap) is dead, so only re-dialled entries can have brought the others back: a
+    # redial whose answer came back ("answers again"), or one whose request got through as the link came back
+    # (the other side merged our view from it) even if its answer missed the 2 s deadline
+    others = {s["peer_id"][:8] for s in summaries[1:]}
+    back = set(re.findall(r"peer ([0-9a-f]{8}) is live again", swarm.peers[1].log()))
+    assert others <= back, (others, back, swarm.peers[1].log_tail())
 
 
 @pytest.mark.root
