@@ -108,6 +108,12 @@ def test_a_split_heals_into_one_model(
     small = min(groups, key=len)
     if len(small) == 1:
         assert summaries[small[0]]["solo_steps"] > 0
+    # a cut link costs no peer its reachable neighbours: each side kept its own members live (when gossip waited
+    # for calls to the cut peers, every peer lost every other and all four trained alone)
+    for group in groups:
+        for i in group:
+            for j in set(group) - {i}:
+                assert f"peer {summaries[j]['peer_id'][:8]} lost" not in swarm.peers[i].log(), swarm.peers[i].log_tail()
     # one half's state lost the split-brain rule and was replaced by the other's
     assert sum(s["forks_healed"] + s["state_downloads"] for s in summaries) >= 1, (during, took)
 
