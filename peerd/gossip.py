@@ -170,7 +170,9 @@ class Gossip:
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
             free = [p for p in others if p.peer_id not in self._inflight]
-            targets = random.sample(free, min(3, len(free)))
+            # three calls a tick, fewer while earlier ones still run (at least one): starved loops at 64 peers do
+            # not pile up calls, and a call ends by its deadline, so at most about 3 + 2 s / interval run at once
+            targets = random.sample(free, min(max(1, 3 - len(self._inflight)), len(free)))
             # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
             chosen = {p.peer_id for p in targets} | set(self._inflight)
             probes = [p for p in self.d.membership.expiring() if p.peer_id not in chosen and dialable(p)]
