@@ -103,10 +103,14 @@ def test_a_member_whose_contributions_never_come_is_left_out_not_waited_for(tmp_
     assert "fault injection: sending nothing on Reduce streams" in silent.log()
     silent_id = silent.summary()["peer_id"]
     assert_identical_globals([p.data_dir for p in others])
+    # the owners whose timer fired first leave it out; an owner whose timer had not fired yet learns it from their
+    # averaged parts' masks (which no longer cover it) and drops it the same way (CI: 10 ms after the other two)
+    assert any("nothing of theirs arrived" in p.log() for p in others), [p.log_tail() for p in others]
     for p in others:
         s = p.summary()
         assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
-        assert "nothing of theirs arrived" in p.log(), p.log_tail()
+        log = p.log()
+        assert "nothing of theirs arrived" in log or f"survived the loss of ['{silent_id[:8]}']" in log, p.log_tail()
         left_out = [r for r in s["rounds"] if silent_id not in r["included"]]
         assert left_out and all(r["partial"] and silent_id in r["expected"] for r in left_out), s["rounds"]
         assert len(left_out[0]["included"]) == n - 1, left_out[0]
