@@ -115,7 +115,7 @@ class RendezvousLeader:
                 return pb.RendezvousResponse(behind=step + 1)
             if fragment < 0 and behind_me:
                 return pb.RendezvousResponse(behind=self.my_step())
-            if fragment >= 0 and self._majority_elsewhere(key) is not None:
+            if fragment >= 0 and self._majority_elsewhere(key):
                 return pb.RendezvousResponse(behind=step + 1)
             pend = self._open(key, 0 if done is None else done.attempt + 1)
         # Who is kept out of the group even if it asks to join: a peer the leader blames (from its own failed
@@ -238,15 +238,17 @@ class RendezvousLeader:
                     self._close(other)  # all its own are in; one alone waits for its deadline (or a majority)
         pend.expected -= elsewhere - set(pend.joined)
 
-    def _majority_elsewhere(self, key: Key) -> pb.Group | None:
-        """A group closed for this fragment round from another state (lineage) that holds a majority of the live
-        peers: the state of `key` is a minority's, which that round leaves behind. Fragment rounds only: there peers
-        past the step may still join (the last fragment syncs at the boundary), so `_swarm_went_on` cannot tell."""
-        live = len(self.membership.alive())
-        for (step, fragment, lineage), group in self.closed.items():
-            if (step, fragment) == key[:2] and lineage != key[2] and 2 * len(group.members) > live:
-                return group
-        return None
+    def _holds_majority(self, group: pb.Group) -> bool:
+        return 2 * len(group.members) > len(self.membership.alive())
+
+    def _majority_elsewhere(self, key: Key) -> bool:
+        """A group closed for this fragment round from another state (lineage) holds a majority of the live peers:
+        the state of `key` is a minority's, which that round leaves behind. Fragment rounds only: there peers past
+        the step may still join (the last fragment syncs at the boundary), so `_swarm_went_on` cannot tell."""
+        return any(
+            other[:2] == key[:2] and other != key and self._holds_majority(group)
+            for other, group in self.closed.items()
+        )
 
     def _leave_minorities_behind(self, key: Key, group: pb.Group) -> None:
         """A majority's fragment round just closed: groups still open for the same round from other states close
@@ -254,7 +256,7 @@ class RendezvousLeader:
         deadline and its extensions for peers that are in this round. A peer that downloaded a state just before the
         swarm's next merge joined with the older lineage alone and waited 9 s (three 3 s deadlines) per fragment
         round, twice in a row, after a heal (tests/test_partition.py, streaming)."""
-        if key[1] < 0 or 2 * len(group.members) <= len(self.membership.alive()):
+        if key[1] < 0 or not self._holds_majority(group):
             return
         for other, pend in list(self.pending.items()):
             if other[:2] == key[:2] and other != key and len(pend.joined) < len(group.members):
