@@ -384,15 +384,17 @@ class ShardOwner:
                 ctx.on_left(sender)
 
     async def _until(self, fut: asyncio.Future, reader: asyncio.Future) -> object:
-        """`fut`'s result, failing at once if the stream's reader failed or the round's deadline passed."""
+        """`fut`'s result, failing at once if the stream's reader failed or the round's deadline passed. The reader
+        may have failed before we got here (a corrupt part read while we sent earlier averaged parts back): that is
+        checked before waiting, or we would wait for `fut` alone until the deadline (60 s rounds, seen in CI)."""
         while not fut.done():
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
             remaining = self.ctx.deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
             await asyncio.wait({fut} if reader.done() else {fut, reader}, timeout=remaining,
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                raise reader.exception()  # type: ignore[misc]
         return fut.result()
 
     async def _read_parts(self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str) -> None:

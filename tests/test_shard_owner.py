@@ -13,6 +13,7 @@ from peerd.codecs import make_codec
 from peerd.identity import Identity
 from peerd.roundtypes import RoundStats, sum_of_squares
 from peerd.shard_owner import RoundContext, ShardOwner
+from peerd.streams import StreamError
 from peerd.v1 import peerd_pb2 as pb
 
 PARTS = [(0, 4), (4, 8)]
@@ -153,5 +154,26 @@ def test_a_fallback_owner_never_leaves_out_the_silent() -> None:
         await asyncio.sleep(0.4)
         assert own.reduced.done() and own.dropped == {3}
         assert not fallback.reduced.done() and not fallback.dropped
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_reader_failed_earlier_fails_at_once() -> None:
+    """The reader of a member's stream refused a corrupt part while the owner was still sending that member earlier
+    averaged parts: the next wait must raise the reader's error now, not wait for a part that will never be
+    averaged until the round's deadline (60 s rounds in CI)."""
+
+    async def main() -> None:
+        owner, _, _ = _owner(2)
+        reader = asyncio.get_running_loop().create_future()
+        reader.set_exception(StreamError("malformed", "contribution part 2 does not decode"))
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(owner._until(owner.frames[0], reader), 10)
+        except StreamError as exc:
+            assert exc.reason == "malformed"
+        else:
+            raise AssertionError("no error")
+        assert time.monotonic() - t0 < 1.0
 
     asyncio.run(main())
