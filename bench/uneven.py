@@ -13,6 +13,8 @@ on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inn
   alone in a run of its own, so the 3 get the same share of this machine's CPU as in the 4-peer scenarios)
 - `window`: the slow peer in, `inner.window_s` = H x the fast step: as many steps as fit, token-weighted rounds,
   late work carried (`outer.late_work = "carry"`); `window-discard`: the same, late work dropped
+- `uniform-overlap` / `window-overlap`: `uniform` and `window` with `outer.overlap` (each round runs while the next
+  window trains, peerd/diloco.py)
 - `straggle-carry` / `straggle-discard`: a straggler whose every inner step takes `--straggle-frac` (0.4) of a
   window, so it may miss rounds: the staleness cost of carrying its work against dropping it
 
@@ -24,6 +26,8 @@ others' (`--link-mbit`):
 - `slowlink-wait`: fixed H, `outer.slow_link = "wait"`: every round waits for the slow link (DiLoCo before sponsors)
 - `slowlink`: fixed H, the default `outer.slow_link = "sponsor"`: once flagged, the slow peer sends its work through
   a sponsor (peerd/sponsor.py) and no round waits for it; `slowlink-window`: the same with `inner.window_s`
+- `uniform-net-overlap` / `slowlink-overlap`: `uniform-net` and `slowlink` with `outer.overlap` (rounds hidden under
+  the next window's compute; "steady" idle is not given for them: their rounds' times are not idle time)
 
 Per scenario: compute-idle fraction of the fast peers (median), tokens trained per fast and slow peer, the share of
 computed inner steps discarded, eval loss of the swarm's final global state (the peer holding the most work) on
@@ -70,6 +74,7 @@ class Scenario:
     # machine's 2 cores, so the others do not train faster than in the 4-peer scenarios (each real peer has its own)
     cpu_twin: bool = False
     link_mbit: list[float] | None = None  # per-peer link rates (link family), None: loopback
+    overlap: bool = False  # outer.overlap: each round runs while the next window trains (peerd/diloco.py)
 
 
 @dataclass
@@ -113,7 +118,7 @@ def config(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "model": {"preset": "tiny"},
         "data": {"batch_size": args.batch_size, "eval_batches": 2},
         "inner": {"steps": args.H, "warmup_steps": 10, "window_s": sc.window_s},
-        "outer": {"late_work": sc.late_work, "slow_link": sc.slow_link},
+        "outer": {"late_work": sc.late_work, "slow_link": sc.slow_link, "overlap": sc.overlap},
         "network": dict(NETWORK),
         "checkpoint": {"every": 1},
     }
@@ -219,8 +224,9 @@ def outcome(args: argparse.Namespace, sc: Scenario, workdir: Path, summaries: li
         partial_rounds=sum(s["rounds_partial"] for s in summaries),
         flagged_at_step=statistics.median(flagged) if len(flagged) * 2 > len(fast) else None,
         false_flags=false_flags,
+        # from the step lines' round times: with overlap a round's time is not idle time, so there is none to give
         steady_idle=statistics.median(v)
-        if (v := [x for x in (steady_idle(p) for p in fast_logs) if x is not None])
+        if not sc.overlap and (v := [x for x in (steady_idle(p) for p in fast_logs) if x is not None])
         else None,
     )
 
@@ -242,6 +248,8 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
             Scenario("wait", PEERS, slow_env),
             Scenario("drop", PEERS - 1, None, cpu_twin=True),
             Scenario("window", PEERS, slow_env, window_s=window),
+            Scenario("uniform-overlap", PEERS, None, overlap=True),
+            Scenario("window-overlap", PEERS, slow_env, window_s=window, overlap=True),
         ]
         if not args.quick:
             out.append(Scenario("window-discard", PEERS, slow_env, window_s=window, late_work="discard"))
@@ -259,6 +267,8 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
             Scenario("slowlink-wait", PEERS, None, slow_link="wait", link_mbit=rates),
             Scenario("slowlink", PEERS, None, link_mbit=rates),
             Scenario("slowlink-window", PEERS, None, window_s=window, link_mbit=rates),
+            Scenario("uniform-net-overlap", PEERS, None, link_mbit=[fast] * PEERS, overlap=True),
+            Scenario("slowlink-overlap", PEERS, None, link_mbit=rates, overlap=True),
         ]
     if args.only:
         out = [sc for sc in out if sc.name in args.only]

@@ -129,6 +129,9 @@ class OuterSection:
     # sponsored contributions before a sponsored peer rejoins rounds for five rounds, to see whether its link
     # recovered (doubling after each probe that finds it still slow; 0: never)
     sponsor_probe: int = 16
+    # DiLoCo: run each round while the next window trains (one-step-delayed outer update, peerd/diloco.py), so the
+    # round costs no compute time unless it takes longer than a window; the run's last round stays synchronous
+    overlap: bool = False
 
 
 @dataclass
@@ -531,6 +534,7 @@ slow_link = "sponsor"     # diloco: a peer flagged slow for its link sends its w
                           # stays in every round ("wait")
 sponsor_probe = 16        # sponsored contributions before it rejoins rounds briefly to test its link (x2 each time
                           # the link is still slow; 0: never)
+overlap = false           # diloco: train the next window while the round runs; its result lands a few steps late
 
 [noloco]                  # used when run.algorithm = "noloco"
 alpha = 0.5

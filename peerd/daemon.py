@@ -442,12 +442,19 @@ class Daemon:
         return self.call(self.round_client.allreduce(step, vector, fragment, want_decoded, tokens, carries))
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> concurrent.futures.Future:
-        """Start a round without waiting for it (Streaming DiLoCo overlaps it with inner steps). The future's
-        result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be modified until it is done."""
+        """Start a round without waiting for it (Streaming DiLoCo, and DiLoCo with `outer.overlap`, run it under
+        inner steps). The future's result is a RoundResult, or it raises Behind / RoundFailed. `vector` must not be
+        modified until it is done."""
         assert self.loop is not None
-        coro = self.round_client.allreduce(step, vector, fragment, want_decoded, tokens)
+        coro = self.round_client.allreduce(step, vector, fragment, want_decoded, tokens, carries)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def record_round(

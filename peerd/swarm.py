@@ -106,7 +106,13 @@ class Swarm(Protocol):
         complete."""
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> concurrent.futures.Future:
         """`allreduce` without waiting; `vector` must not change until the future is done."""
 
@@ -349,9 +355,15 @@ class DaemonSwarm:
         return self.daemon.allreduce(step, vector, fragment, want_decoded, tokens, carries)
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> concurrent.futures.Future:
-        return self.daemon.allreduce_async(step, vector, fragment, want_decoded, tokens)
+        return self.daemon.allreduce_async(step, vector, fragment, want_decoded, tokens, carries)
 
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
         loop = self.daemon.loop

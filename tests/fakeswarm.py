@@ -104,11 +104,17 @@ class FakeSwarm:
         return RoundResult(average, group_of(step, ids, fragment), ids, RoundStats(), decoded)
 
     def allreduce_async(
-        self, step: int, vector: torch.Tensor, fragment: int = -1, want_decoded: bool = False, tokens: int = 0
+        self,
+        step: int,
+        vector: torch.Tensor,
+        fragment: int = -1,
+        want_decoded: bool = False,
+        tokens: int = 0,
+        carries: Sequence[str] = (),
     ) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            fut.set_result(self.allreduce(step, vector, fragment, want_decoded, tokens))
+            fut.set_result(self.allreduce(step, vector, fragment, want_decoded, tokens, carries))
         except Exception as exc:  # the future carries it, as the real one does
             fut.set_exception(exc)
         return fut

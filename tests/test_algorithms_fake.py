@@ -4,7 +4,10 @@ test_streaming.py and test_noloco.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +91,76 @@ def test_diloco_behind_the_swarm_discards_its_work_when_asked(tmp_path: Path) ->
     assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
     assert torch.equal(flat(trainer), served["params"]) and trainer.algorithm.work == 20
     assert trainer.algorithm.discarded_steps == 3 and trainer.algorithm.carried_steps == 0
+
+
+def test_diloco_overlap_lands_the_round_a_step_later_and_keeps_the_steps_trained_meanwhile(tmp_path: Path) -> None:
+    """outer.overlap: the boundary starts the round and returns; the next inner step applies it. The global state is
+    the synchronous one; our weights are the new global plus the one step trained while the round ran, and that
+    step goes into the next round's pseudo-gradient (nothing is lost)."""
+    swarm = FakeSwarm(others=lambda step, fragment, v: [torch.zeros_like(v)])
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": True})
+    g0 = flat(trainer)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # the round for step 0 is in flight
+    assert swarm.calls == [(0, -1)] and trainer.outer_step == 0
+    done = trainer.inner_step()
+    assert isinstance(done, StepDone) and done.step == 1 and done.result.included == [ME, "p1"]
+    sync = setup(tmp_path, "diloco", FakeSwarm(others=lambda step, fragment, v: [torch.zeros_like(v)]))
+    [sync.inner_step() for _ in range(3)]
+    want = sync.algorithm.global_params
+    assert torch.equal(trainer.algorithm.global_params, want)  # bit for bit what the synchronous round gives
+    assert torch.allclose(want, nesterov_once(g0, torch.full_like(g0, -0.03) / 2), atol=1e-6)
+    assert torch.allclose(flat(trainer), want + 0.01, atol=1e-6)
+    assert [trainer.inner_step() for _ in range(2)] == [None, None]  # t = 5: the next boundary
+    assert swarm.calls == [(0, -1), (1, -1)]
+    assert torch.allclose(swarm.vectors[-1], torch.full_like(g0, -0.03), atol=1e-6)  # steps 4, 5 and 6
+    assert swarm.tokens == [300, 300]
+
+
+def test_diloco_overlap_trains_from_the_eager_guess_and_a_failed_round_takes_it_back(tmp_path: Path) -> None:
+    """While the round runs, the next window trains from the outer step our own pseudo-gradient would give (not from
+    where our inner steps left us); a round that fails takes that guess back out and keeps the steps since."""
+    swarm = FakeSwarm(fail={(0, -1)})
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": True})
+    g0 = flat(trainer)
+    [trainer.inner_step() for _ in range(3)]
+    assert torch.allclose(flat(trainer), nesterov_once(g0, torch.full_like(g0, -0.03)), atol=1e-6)
+    assert trainer.inner_step() is None  # it lands failed
+    assert torch.equal(trainer.algorithm.global_params, g0) and trainer.algorithm.work == 0
+    assert torch.allclose(flat(trainer), g0 + 0.04, atol=1e-6)  # four steps of progress, no guess
+    [trainer.inner_step() for _ in range(2)]  # t = 5: the next round carries all six steps
+    assert torch.allclose(swarm.vectors[-1], torch.full_like(g0, -0.06), atol=1e-6)
+
+
+def test_diloco_overlap_waits_at_the_next_boundary_and_keeps_the_last_round_synchronous(tmp_path: Path) -> None:
+    """A round still running when the next window ends is waited for (idle), applied, and the next round starts on
+    the following step. The run's last round lands at its boundary, so the run ends with local = global."""
+    swarm = FakeSwarm(others=lambda step, fragment, v: [torch.zeros_like(v)])
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": True}, run={"outer_steps": 2})
+    release = threading.Event()
+    real = swarm.allreduce_async
+
+    def slow(*args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        done = real(*args, **kwargs)
+
+        def finish() -> None:
+            release.wait(5)
+            fut.set_result(done.result())
+
+        threading.Thread(target=finish, daemon=True).start()
+        return fut
+
+    swarm.allreduce_async = slow  # type: ignore[method-assign]
+    [trainer.inner_step() for _ in range(5)]
+    assert trainer.outer_step == 0  # still in flight
+    threading.Timer(0.2, release.set).start()
+    done = trainer.inner_step()  # t = 5, the boundary: waits for the round, applies it
+    assert done is not None and done.step == 1 and trainer.idle >= 0.15
+    assert swarm.calls == [(0, -1)]
+    done = trainer.inner_step()  # the owed boundary: the last round, synchronous
+    assert done is not None and done.step == 2 and swarm.calls == [(0, -1), (1, -1)]
+    assert torch.allclose(swarm.vectors[-1], torch.full_like(swarm.vectors[-1], -0.04), atol=1e-6)
+    assert torch.equal(flat(trainer), trainer.algorithm.global_params)
 
 
 def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -> None:

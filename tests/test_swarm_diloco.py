@@ -59,6 +59,24 @@ def test_three_peers_join_train_and_agree(tmp_path: Path) -> None:
         assert hist[-1]["eval_loss"] < hist[0]["eval_loss"], hist
 
 
+def test_overlapped_rounds_train_on_and_still_agree(tmp_path: Path) -> None:
+    """outer.overlap: every round runs while the next window trains. The peers still end bit-identical, every round
+    includes all three, and steps were trained while rounds ran (none lost: the last round is synchronous, and the
+    tokens of every round are the window's)."""
+    cfg = tiny_config(tmp_path, run__outer_steps=5, outer__overlap=True)
+    swarm = Swarm(tmp_path, 3, cfg)
+    with swarm:
+        swarm.wait_exit(180)
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 5 and s["finished"] and s["rounds_partial"] == 0, _why_apart([p.data_dir])
+        assert all(len(r["included"]) == 3 for r in s["rounds"]), s["rounds"]
+        assert s["overlapped_steps"] > 0 and s["discarded_steps"] == 0, s
+        hist = s["history"]
+        assert hist[-1]["eval_loss"] < hist[0]["eval_loss"], hist
+
+
 @pytest.mark.parametrize("victim", [0, 2], ids=["bootstrap", "other"])
 def test_kill9_peer_and_the_rest_keep_training(tmp_path: Path, victim: int) -> None:
     swarm = Swarm(tmp_path, 3, tiny_config(tmp_path, run__outer_steps=8))
