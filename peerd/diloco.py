@@ -88,6 +88,7 @@ class DiLoCo(OuterAlgorithm):
         self.flight: _Flight | None = None  # the overlapped round in progress
         self.owed = False  # a boundary came while a round was in flight: the next inner step starts its round
         self.overlapped_steps = 0  # inner steps trained while a round ran (what overlap saved us waiting)
+        self.trainer = trainer  # close() takes an unlanded guess back out before the worker checkpoints the model
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -282,6 +283,8 @@ class DiLoCo(OuterAlgorithm):
         self.owed = False
 
     def close(self) -> None:
+        if self.flight is not None:  # stopping mid-round: the checkpoint keeps our weights as pending work, no guess
+            self._unguess(self.trainer, self.flight)
         self._abandon()
         self.sponsored.close()
         self.sponsoring.close()
