@@ -129,8 +129,9 @@ class OuterSection:
     # sponsored contributions before a sponsored peer rejoins rounds for five rounds, to see whether its link
     # recovered (doubling after each probe that finds it still slow; 0: never)
     sponsor_probe: int = 16
-    # DiLoCo: run each round while the next window trains (one-step-delayed outer update, peerd/diloco.py), so the
-    # round costs no compute time unless it takes longer than a window; the run's last round stays synchronous
+    # DiLoCo: run each round while the next window trains from an eager guess of the next global state, applied when
+    # it lands (peerd/diloco.py), so the round costs no compute time unless it takes longer than a window; the run's
+    # last round stays synchronous
     overlap: bool = False
 
 

@@ -143,7 +143,8 @@ class DiLoCo(OuterAlgorithm):
         args = {"want_decoded": self.feedback is not None, "tokens": tokens, "carries": [w.peer_id for w in taken]}
         if self.overlap and not 0 < trainer.cfg.run.outer_steps <= step + 1:
             future = trainer.swarm.allreduce_async(step, pseudo, **args)
-            guess = self._guess(pending)
+            # where the next window trains from: the outer step if the round's average were our own pseudo-gradient
+            guess = self.outer.preview(self.global_params.to(pending.device), pending)
             self.flight = _Flight(step, future, pseudo, pending, taken, self.steps_pending, guess)
             trainer.layout.unflatten_into(guess, trainer.model)
             self.window_start = time.monotonic()  # the next window trains while the round runs
@@ -214,14 +215,6 @@ class DiLoCo(OuterAlgorithm):
         if not self.overlap:
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
-
-    def _guess(self, pending: torch.Tensor) -> torch.Tensor:
-        """The global state after the outer step if the round's average were our own pseudo-gradient (the outer
-        optimizer's momentum untouched): where the next window trains from while the round runs."""
-        mu, lr = self.outer.momentum, self.outer.lr
-        v = self.outer.buffers.get(None)
-        v2 = pending.clone() if v is None else v.to(pending.device) * mu + pending
-        return self.global_params.to(pending.device) - lr * (pending + mu * v2)
 
     def _unguess(self, trainer: Trainer, fl: _Flight) -> None:
         """The round did not land: take the guess back out of our weights, keeping the steps trained since, so our

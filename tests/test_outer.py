@@ -41,6 +41,19 @@ def test_nesterov_matches_torch_sgd() -> None:
     assert not torch.equal(ours, randn(n, 0))
 
 
+def test_nesterov_preview_is_the_step_without_taking_it() -> None:
+    """DiLoCo's eager guess: bit for bit what `step` would give, with the params and the momentum left untouched."""
+    opt = NesterovOuter(lr=0.7, momentum=0.9)
+    params = randn(100, 0)
+    opt.step(params, randn(100, 1))  # a momentum buffer to preview from
+    before, momentum = params.clone(), opt.buffers[None].clone()
+    g = randn(100, 2)
+    guess = opt.preview(params, g)
+    assert torch.equal(params, before) and torch.equal(opt.buffers[None], momentum)
+    opt.step(params, g)
+    assert torch.equal(guess, params)
+
+
 def f32(x: float) -> float:
     """Round a Python float to the nearest float32 (exact for one +, - or * of float32 inputs)."""
     return struct.unpack("<f", struct.pack("<f", x))[0]

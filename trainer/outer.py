@@ -83,20 +83,37 @@ class NesterovOuter:
         _check_flat("global_params", global_params)
         _check_same(global_params, pseudo_grad=pseudo_grad)
         _check_finite(pseudo_grad=pseudo_grad)
+        v = self._momentum(global_params, key)
+        self._apply(global_params, v, pseudo_grad)
+        self.buffers[key] = v
+
+    def preview(self, global_params: Tensor, pseudo_grad: Tensor, key: Hashable = None) -> Tensor:
+        """What :meth:`step` would make of ``global_params``, leaving it and the momentum untouched (DiLoCo's eager
+        guess of the next global state while a round runs). No finiteness check: the round that follows refuses a
+        non-finite contribution, and the guess is then taken back."""
+        _check_flat("global_params", global_params)
+        _check_same(global_params, pseudo_grad=pseudo_grad)
+        params = global_params.clone()
+        self._apply(params, self._momentum(global_params, key).clone(), pseudo_grad)
+        return params
+
+    def _momentum(self, global_params: Tensor, key: Hashable) -> Tensor:
+        """The momentum buffer for ``key`` on ``global_params``' device (zeros before the first step)."""
         v = self.buffers.get(key)
         if v is None:
-            v = torch.zeros_like(global_params)
-        elif v.numel() != global_params.numel():
+            return torch.zeros_like(global_params)
+        if v.numel() != global_params.numel():
             raise OuterError(f"momentum for key {key!r} has {v.numel()} values, params have {global_params.numel()}")
-        elif v.device != global_params.device:
-            v = v.to(global_params.device)
+        return v.to(global_params.device)
+
+    def _apply(self, params: Tensor, v: Tensor, pseudo_grad: Tensor) -> None:
+        """``v = mu * v + g; params -= lr * (g + mu * v)``, both in place."""
         mu = self.momentum
         v.mul_(mu).add_(pseudo_grad)  # v = mu * v + g
         update = torch.mul(v, mu, out=self._scratch_for(v))  # mu * v
         update.add_(pseudo_grad)  # g + mu * v
         update.mul_(self.lr)
-        global_params.sub_(update)
-        self.buffers[key] = v
+        params.sub_(update)
 
     def state_dict(self) -> dict:
         """Hyperparameters and momentum buffers (shared tensors: clone or save before the next step)."""
