@@ -14,7 +14,8 @@ on loopback: one peer slowed by `PEERD_FAULT_STEP_DELAY_S` = 2x the measured inn
 - `window`: the slow peer in, `inner.window_s` = H x the fast step: as many steps as fit, token-weighted rounds,
   late work carried (`outer.late_work = "carry"`); `window-discard`: the same, late work dropped
 - `uniform-overlap` / `window-overlap`: `uniform` and `window` with `outer.overlap` (each round runs while the next
-  window trains, peerd/diloco.py)
+  window trains, peerd/diloco.py); `uniform-window-overlap`: 4 equal peers, windowed and overlapped (the "no false
+  flags" check for the windowed overlap, whose windows keep the swarm's clock)
 - `straggle-carry` / `straggle-discard`: a straggler whose every inner step takes `--straggle-frac` (0.4) of a
   window, so it may miss rounds: the staleness cost of carrying its work against dropping it
 
@@ -27,7 +28,9 @@ others' (`--link-mbit`):
 - `slowlink`: fixed H, the default `outer.slow_link = "sponsor"`: once flagged, the slow peer sends its work through
   a sponsor (peerd/sponsor.py) and no round waits for it; `slowlink-window`: the same with `inner.window_s`
 - `uniform-net-overlap` / `slowlink-overlap`: `uniform-net` and `slowlink` with `outer.overlap` (rounds hidden under
-  the next window's compute; "steady" idle is not given for them: their rounds' times are not idle time)
+  the next window's compute; "steady" idle is not given for them: their rounds' times are not idle time);
+  `uniform-net-window-overlap` / `slowlink-window-overlap`: the same with `inner.window_s` (windows on the swarm's
+  clock rather than each peer's step count)
 
 Per scenario: compute-idle fraction of the fast peers (median), tokens trained per fast and slow peer, the share of
 computed inner steps discarded, eval loss of the swarm's final global state (the peer holding the most work) on
@@ -250,6 +253,7 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
             Scenario("window", PEERS, slow_env, window_s=window),
             Scenario("uniform-overlap", PEERS, None, overlap=True),
             Scenario("window-overlap", PEERS, slow_env, window_s=window, overlap=True),
+            Scenario("uniform-window-overlap", PEERS, None, window_s=window, overlap=True),
         ]
         if not args.quick:
             out.append(Scenario("window-discard", PEERS, slow_env, window_s=window, late_work="discard"))
@@ -269,6 +273,8 @@ def scenarios(args: argparse.Namespace, step_s: float) -> list[Scenario]:
             Scenario("slowlink-window", PEERS, None, window_s=window, link_mbit=rates),
             Scenario("uniform-net-overlap", PEERS, None, link_mbit=[fast] * PEERS, overlap=True),
             Scenario("slowlink-overlap", PEERS, None, link_mbit=rates, overlap=True),
+            Scenario("uniform-net-window-overlap", PEERS, None, window, link_mbit=[fast] * PEERS, overlap=True),
+            Scenario("slowlink-window-overlap", PEERS, None, window, link_mbit=rates, overlap=True),
         ]
     if args.only:
         out = [sc for sc in out if sc.name in args.only]
@@ -330,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"step_s": step_s, "wall_s": args.wall, "repeats": args.repeats, "rows": rows}, indent=2))
     else:
-        print(f"\n{'scenario':<16} {'eval loss':>9} {'idle fast':>9} {'steady':>7} {'tok fast':>9} {'tok slow':>9} "
+        print(f"\n{'scenario':<26} {'eval loss':>9} {'idle fast':>9} {'steady':>7} {'tok fast':>9} {'tok slow':>9} "
               f"{'discard':>7} {'steps':>5} {'partial':>7} {'flag@':>5} {'false':>5}")  # fmt: skip
         for r in rows:
             flag = "-" if r["flagged_at_step"] is None else f"{r['flagged_at_step']:.0f}"
             steady = "-" if r["steady_idle"] is None else f"{r['steady_idle']:.1%}"
-            print(f"{r['scenario']:<16} {r['eval_loss']:>9.4f} {r['fast_idle']:>9.1%} {steady:>7} "
+            print(f"{r['scenario']:<26} {r['eval_loss']:>9.4f} {r['fast_idle']:>9.1%} {steady:>7} "
                   f"{r['tokens_fast']:>9.0f} "
                   f"{r['tokens_slow']:>9.0f} {r['discarded_share']:>7.1%} {r['outer_steps']:>5.0f} "
                   f"{r['partial_rounds']:>7.0f} {flag:>5} {r['false_flags']:>5.0f}")  # fmt: skip

@@ -83,6 +83,7 @@ class RoundResult:
     lost: list[str] = field(default_factory=list)  # members that left mid-round (dropped, not waited for)
     fallbacks: int = 0  # shards we took from a fallback owner because theirs was lost
     carried: list[str] = field(default_factory=list)  # sponsored peers whose work an included member carried
+    join_offset_s: float = 0.0  # how much later than the group's median we joined (peerd/timings.join_offset_s)
 
     @property
     def partial(self) -> bool:

@@ -23,6 +23,10 @@ lands (checked after every inner step, waited for only at the next boundary) the
 its global copy exactly as before, so the globals stay bit-identical, and shifts its weights by (new global - guess):
 local = new global + the steps trained meanwhile. Those steps go into the next round's pseudo-gradient; nothing is
 discarded. A failed round undoes the guess. The run's last round stays synchronous, so a run ends with local = global.
+With `inner.window_s` no round ends the windows together any more, so they keep the swarm's clock instead: the next
+window starts where the last was due, and a round that lands moves the next boundary by how far from the group's
+median member we joined it (peerd/timings.join_offset_s). With a fixed H an overlapped peer's boundaries come when its
+own steps are done, so a peer with less CPU joins every round late (and may be flagged): windows suit overlap better.
 """
 
 from __future__ import annotations
@@ -95,6 +99,15 @@ class DiLoCo(OuterAlgorithm):
             return time.monotonic() - self.window_start >= self.window_s
         return (t + 1) % self.H == 0
 
+    def _anchor(self) -> float:
+        """Where an overlapped window starts: where the one before was due (windowed runs), not when its last step
+        ended, so a step's overshoot does not add up window after window; never so far back that the new window is
+        under three quarters long (after waiting for a round)."""
+        now = time.monotonic()
+        if self.window_s <= 0:
+            return now
+        return max(self.window_start + self.window_s, now - self.window_s / 4)
+
     def after_inner_step(self, trainer: Trainer, t: int) -> StepDone | None:
         self.steps_pending += 1
         if self.flight is not None:
@@ -147,7 +160,7 @@ class DiLoCo(OuterAlgorithm):
             guess = self.outer.preview(self.global_params.to(pending.device), pending)
             self.flight = _Flight(step, future, pseudo, pending, taken, self.steps_pending, guess)
             trainer.layout.unflatten_into(guess, trainer.model)
-            self.window_start = time.monotonic()  # the next window trains while the round runs
+            self.window_start = self._anchor()  # the next window trains while the round runs
             return None
         t0 = time.perf_counter()
         future = concurrent.futures.Future()
@@ -208,6 +221,12 @@ class DiLoCo(OuterAlgorithm):
             local = trainer.layout.flatten(trainer.model).detach().float()
             local += self.global_params.to(local.device) - fl.guess
             trainer.layout.unflatten_into(local, trainer.model)
+        if self.overlap and self.window_s > 0 and not self.owed:  # landed within the next window: align its end
+            shift = max(-self.window_s / 4, min(self.window_s / 4, result.join_offset_s))
+            self.window_start -= shift
+            log.debug(
+                "joined round %d %+.2f s from the median member: next boundary moved %+.2f s", step, shift, -shift
+            )
         self.work += len(set(result.included))
         self.steps_pending -= fl.steps
         self.windows_pending = 0

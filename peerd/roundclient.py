@@ -28,6 +28,7 @@ from peerd.group_delta import DeltaError, LeaderLists, MemberList
 from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind, member_weight
+from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -450,6 +451,7 @@ class RoundClient:
             rnd.finished()
             in_round = set(result.included)
             result.carried = [c for c, by in zip(group.carried, group.carried_by, strict=False) if by in in_round]
+            result.join_offset_s = join_offset_s(group, self.d.identity.peer_id)
             if fragment < 0:  # they all finished `step` with us: do not wait for gossip to say so
                 self.d.membership.note_round(step + 1, list(result.included))  # not those that left mid-round
             self.record_round(group, result, fragment, rendezvous_s=rendezvous_s)

@@ -256,3 +256,14 @@ class SwarmTimings:
         """Flagged slow and not faulty: only such a peer sends its work through a sponsor. A peer blamed for failed
         rounds keeps its contributions in plain view of the owners' screens, where bad data gets it banned."""
         return self.flag_of(peer_id) == SLOW
+
+
+def join_offset_s(group: pb.Group, peer_id: str) -> float:
+    """How much later than the group's median member `peer_id` joined its rendezvous (negative: earlier), from the
+    leader's `join_lag_ms`. Overlapped windowed DiLoCo moves its next boundary by this much (peerd/diloco.py), so
+    peers whose windows started apart, or drifted apart, meet the next round together."""
+    ids = [m.peer_id for m in group.members]
+    lags = list(group.join_lag_ms)
+    if peer_id not in ids or len(lags) != len(ids):
+        return 0.0
+    return (lags[ids.index(peer_id)] - statistics.median(lags)) / 1000.0

@@ -17,6 +17,7 @@ from peerd.config import RunConfig
 from peerd.consistency import Claim
 from peerd.pairing import PairOutcome
 from peerd.statesync import StateSnapshot
+from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
 from trainer.flat import ParamLayout
 
@@ -73,6 +74,7 @@ class FakeSwarm:
     noted: list[tuple[int, list[str]]] = field(default_factory=list)
     solo_steps: int = 0
     failures: list[str] = field(default_factory=list)
+    join_lag_ms: list[int] = field(default_factory=list)  # the leader's join lags for our rounds' groups (us first)
 
     def allreduce(
         self,
@@ -101,7 +103,11 @@ class FakeSwarm:
             contributions[0] = sent
             average = torch.stack(contributions).mean(0)
         decoded = (sent if sent is not None else contributions[0]) if want_decoded else None
-        return RoundResult(average, group_of(step, ids, fragment), ids, RoundStats(), decoded)
+        group = group_of(step, ids, fragment)
+        group.join_lag_ms.extend(self.join_lag_ms)
+        result = RoundResult(average, group, ids, RoundStats(), decoded)
+        result.join_offset_s = join_offset_s(group, ME)
+        return result
 
     def allreduce_async(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,26 @@ def test_diloco_overlap_waits_at_the_next_boundary_and_keeps_the_last_round_sync
     assert done is not None and done.step == 2 and swarm.calls == [(0, -1), (1, -1)]
     assert torch.allclose(swarm.vectors[-1], torch.full_like(swarm.vectors[-1], -0.04), atol=1e-6)
     assert torch.equal(flat(trainer), trainer.algorithm.global_params)
+
+
+def test_diloco_windowed_overlap_keeps_the_swarm_clock_and_meets_the_median_member(tmp_path: Path) -> None:
+    """Overlapped windows (inner.window_s): the next window starts where the last was due, so the overshoot of a
+    boundary's last step does not add up; and a round that lands moves the next boundary by how late we joined it
+    against the group's median member (the leader's join lags), so peers whose windows drifted apart meet again.
+    Before this a peer with a 10% smaller CPU share joined every fixed-step boundary 1.6 s late and was flagged."""
+    swarm = FakeSwarm(others=lambda step, fragment, v: [torch.zeros_like(v)] * 2, join_lag_ms=[900, 0, 100])
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": True}, inner={"window_s": 100.0})
+    alg = trainer.algorithm
+    alg.window_start = time.monotonic() - 100.5  # the window was due half a second ago (a long last step)
+    due = alg.window_start + 100.0
+    assert trainer.inner_step() is None and swarm.calls == [(0, -1)]  # the boundary: the round starts, in flight
+    assert alg.window_start == pytest.approx(due)  # not "now": the next window ends 100 s after this one was due
+    done = trainer.inner_step()  # it lands: we joined 0.8 s after the median member
+    assert isinstance(done, StepDone) and done.step == 1
+    assert alg.window_start == pytest.approx(due - 0.8)
+    alg.window_start = time.monotonic() - 300.0  # a boundary long overdue: the next window is still 3/4 long
+    trainer.inner_step()
+    assert alg.window_start == pytest.approx(time.monotonic() - 25.0, abs=0.5)
 
 
 def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -> None:

@@ -59,11 +59,13 @@ def test_three_peers_join_train_and_agree(tmp_path: Path) -> None:
         assert hist[-1]["eval_loss"] < hist[0]["eval_loss"], hist
 
 
-def test_overlapped_rounds_train_on_and_still_agree(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window_s", [0.0, 1.5], ids=["fixed-H", "windowed"])
+def test_overlapped_rounds_train_on_and_still_agree(tmp_path: Path, window_s: float) -> None:
     """outer.overlap: every round runs while the next window trains. The peers still end bit-identical, every round
     includes all three, and steps were trained while rounds ran (none lost: the last round is synchronous, and the
-    tokens of every round are the window's)."""
-    cfg = tiny_config(tmp_path, run__outer_steps=5, outer__overlap=True)
+    tokens of every round are the window's). Windowed, the windows keep the swarm's clock with no round ending them
+    together (peerd/diloco.py), and still meet in every round."""
+    cfg = tiny_config(tmp_path, run__outer_steps=5, outer__overlap=True, inner__window_s=window_s)
     swarm = Swarm(tmp_path, 3, cfg)
     with swarm:
         swarm.wait_exit(180)
