@@ -37,6 +37,7 @@ class _Pending:
     grace_armed: bool = False  # windowed runs: the straggler grace started (a majority joined)
     joined_at: dict[str, float] = field(default_factory=dict)  # monotonic time of each member's (first) join
     carries: dict[str, list[str]] = field(default_factory=dict)  # member -> the sponsored peers its contribution holds
+    passed: set[str] = field(default_factory=set)  # fragment rounds: peers that joined a later step, not this one
 
 
 class Behind(Exception):
@@ -143,6 +144,7 @@ class RendezvousLeader:
             pend.joined_at.setdefault(info.peer_id, time.monotonic())
         if fragment >= 0:
             self._not_coming(key, pend, info.peer_id)
+            self._moved_past(step, info.peer_id)
         if pend.expected <= set(pend.joined):
             self._close(key)
         elif self.straggler_grace_s > 0 and not pend.grace_armed and 2 * len(pend.joined) > len(pend.expected):
@@ -237,6 +239,25 @@ class RendezvousLeader:
                 if len(sibling.joined) >= 2 and sibling.expected <= set(sibling.joined):
                     self._close(other)  # all its own are in; one alone waits for its deadline (or a majority)
         pend.expected -= elsewhere - set(pend.joined)
+
+    def _moved_past(self, step: int, joiner: str) -> None:
+        """Fragment rounds: a peer joining a round of `step` joined (or gave up) every round of an earlier step, as
+        each peer's fragments sync in schedule order, so open groups of earlier steps stop waiting for it. One that a
+        majority of the live peers passed this way is a minority's round the swarm left behind: it closes empty and
+        its members resync. A peer that downloaded the state just as the swarm moved on led such a group alone (it had
+        the lowest id) and waited out a deadline and both extensions, 24 s, while the others' rounds waited for it
+        (seen in CI). Members waiting in a group for a slow peer are untouched: they joined it."""
+        alive = len(self.membership.alive())
+        for key, pend in list(self.pending.items()):
+            if key[0] >= step or key[1] < 0 or joiner in pend.joined or pend.result is None or pend.result.done():
+                continue
+            pend.passed.add(joiner)
+            pend.expected.discard(joiner)
+            if 2 * len(pend.passed) > alive:
+                pend.joined.clear()
+                self._close(key)
+            elif len(pend.joined) >= 2 and pend.expected <= set(pend.joined):
+                self._close(key)
 
     def _holds_majority(self, group: pb.Group) -> bool:
         return 2 * len(group.members) > len(self.membership.alive())

@@ -178,6 +178,46 @@ def test_a_fragment_round_a_majority_closed_from_another_state_leaves_the_minori
     asyncio.run(main())
 
 
+def test_a_fragment_round_the_swarm_moved_past_closes_empty_but_one_waiting_for_a_slow_peer_does_not() -> None:
+    """Streaming: a peer that downloaded the state just as the swarm moved on joins a fragment round of the step the
+    others just finished, and leads it alone (the lowest id). Once a majority joins rounds of the next step, that
+    group closes empty and its member resyncs at once; it used to wait out the deadline and both extensions (24 s in
+    CI) while the others' rounds waited for it. A group whose members wait there for a slow peer stays open: they
+    joined it, and the slow peer still comes."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        step = [5]
+        for p in (a, b, c):  # gossip: the others are in cycle 5 (their state, not the rounds they joined)
+            m.entries[p.peer_id].info.outer_step = 5
+        leader = RendezvousLeader(m, b"run", timeout_s=1.0, my_step=lambda: step[0])
+        t0 = asyncio.get_running_loop().time()
+        alone = asyncio.ensure_future(leader.join(5, 1, lead, []))
+        await asyncio.sleep(0.05)
+        ahead = [asyncio.ensure_future(leader.join(6, 0, p, [])) for p in (a, b, c)]
+        left = await asyncio.wait_for(alone, 0.5)
+        assert left.WhichOneof("result") == "behind" and left.behind == 6
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        got = await asyncio.wait_for(asyncio.gather(*ahead), 4)  # the next round goes on without it (deadline)
+        assert {x.peer_id for x in got[0].group.members} == {a.peer_id, b.peer_id, c.peer_id}
+
+        step[0] = 7
+        for p in (a, b, c):
+            m.entries[p.peer_id].info.outer_step = 7
+        waiting = [asyncio.ensure_future(leader.join(7, 1, p, [])) for p in (lead, a, b)]  # c is slow
+        await asyncio.sleep(0.05)
+        nxt = [asyncio.ensure_future(leader.join(8, 0, p, [])) for p in (lead, a, b)]  # they train on meanwhile
+        await asyncio.sleep(0.1)
+        assert not any(w.done() for w in waiting)
+        slow = await asyncio.wait_for(leader.join(7, 1, c, []), 0.5)  # the slow peer comes: all four average
+        assert len(slow.group.members) == 4
+        assert all(len(r.group.members) == 4 for r in await asyncio.gather(*waiting))
+        c_next = asyncio.ensure_future(leader.join(8, 0, c, []))
+        assert all(r.WhichOneof("result") == "group" for r in await asyncio.wait_for(asyncio.gather(*nxt, c_next), 4))
+
+    asyncio.run(main())
+
+
 def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     exc = RoundFailed("bad contribution", {"x" * 32, "y" * 32})
     md = suspects_metadata(exc)
