@@ -360,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{by['uniform-net']['fast_idle']:.1%}, slowlink-wait {by['slowlink-wait']['fast_idle']:.1%}); "
                   f"discarded 0%: {by['slowlink']['discarded_share']:.1%}; eval loss <= best of wait/drop "
                   f"({best:.4f}): {by['slowlink']['eval_loss']:.4f}")  # fmt: skip
+        for fam, (uni, slow, wait, drop) in {
+            "compute": ("uniform-window-overlap", "window-overlap", "wait", "drop"),
+            "link": ("uniform-net-window-overlap", "slowlink-window-overlap", "slowlink-wait", "drop-net"),
+        }.items():
+            if {uni, slow, wait, drop} <= set(by):
+                best = min(by[wait]["eval_loss"], by[drop]["eval_loss"])
+                print(f"\n{fam} goals, windowed overlap: fast peers idle <= 5%: {by[slow]['fast_idle']:.1%}; discarded "
+                      f"0%: {by[slow]['discarded_share']:.1%}; eval loss <= best of wait/drop ({best:.4f}): "
+                      f"{by[slow]['eval_loss']:.4f}; flagged within 3 outer steps: {by[slow]['flagged_at_step']}; "
+                      f"false flags in '{uni}': {by[uni]['false_flags']:.0f}")  # fmt: skip
     if not args.keep:
         import shutil
 
