@@ -45,6 +45,9 @@ from peerd.v1 import peerd_pb2 as pb
 log = logging.getLogger("peerd")
 
 SLACK_S = 1.5  # how early our upload should reach the sponsor before its round takes what it holds
+# The longest work that goes back into rounds whole: 4 windows' norm stays well under robust.max_norm_ratio (10) x a
+# one-window contribution's, the bound the owners refuse beyond (a sponsor clips at a quarter of it, sponsor.py).
+REJOIN_WINDOWS = 4
 
 
 @dataclass
@@ -67,6 +70,7 @@ class SponsoredPeer:
         self.fetching_average = False  # `fetch` is our sponsor's round average, not the whole state
         self.sent_from: torch.Tensor | None = None  # our local weights when we took the uploaded snapshot
         self.sent_steps = 0  # inner steps behind the upload in flight
+        self.sent_windows = 0  # training windows behind it
         self.sent_base = 0  # the outer step it was based on: the round it aims for
         self.upload_at: float | None = None  # when the next snapshot is due (monotonic; None: none scheduled)
         self.delay_s = 0.0  # how long after adopting a state we wait before the next snapshot (see _retime)
@@ -121,12 +125,9 @@ class SponsoredPeer:
         """Snapshot our pending work and send it to our sponsor; False when we need none (any more)."""
         sponsor = self.port.target()
         if not sponsor:
-            if self.sponsor:  # back in rounds: the work since our last snapshot goes into the next one, as one window
+            if self.sponsor:
                 self.sponsor = ""
-                # (mid-window, the next window's end counts this window; more would be dropped as too long to carry)
-                algo.windows_pending = 1 if at_window_end else 0
-                # Our sponsored work went into rounds: a round that finds us behind carries our work, not drops it
-                algo.carried_in_a_row = 0
+                self._rejoin(trainer, algo, at_window_end)
             return False  # not flagged (any more), or nobody can carry us: DiLoCo joins rounds again
         self.sponsor = sponsor
         local = trainer.layout.flatten(trainer.model).detach().float()
@@ -136,10 +137,34 @@ class SponsoredPeer:
         tokens = algo.steps_pending * trainer.tokens_per_step // windows
         self.sent_from = local.clone()
         self.sent_steps = algo.steps_pending
+        self.sent_windows = windows
         self.sent_base = trainer.outer_step
         algo.steps_pending = algo.windows_pending = 0
         self.upload = self.port.upload(sponsor, pseudo.cpu(), trainer.outer_step, max(tokens, 1))
         return True
+
+    def _rejoin(self, trainer: Trainer, algo: DiLoCoLike, at_window_end: bool) -> None:
+        """Back in rounds: the work since our last snapshot goes into the next round, counted as one window
+        (mid-window, the next window's end counts this one). Work that spans more than REJOIN_WINDOWS windows is
+        scaled to that length first, as a sponsor clips what it carries, and the rest counted discarded: the owners
+        refuse a contribution over robust.max_norm_ratio x theirs, which fails the round for everyone. Seen at 64
+        peers: work piled up over 16 failed uploads to a dead sponsor, and hundreds of 1 ms steps trained while one
+        upload waited a 60 s round, each went into a round as one window, 16x and 110x the owners' norm."""
+        windows = algo.windows_pending  # window ends since the snapshot, and those of work failed uploads gave back
+        algo.windows_pending = 1 if at_window_end else 0
+        algo.carried_in_a_row = 0  # a round that finds us behind carries this work, not drops it
+        if windows <= REJOIN_WINDOWS or not algo.steps_pending:
+            return
+        keep = REJOIN_WINDOWS / windows
+        local = trainer.layout.flatten(trainer.model).detach().float()
+        base = algo.global_params.to(local.device)
+        trainer.layout.unflatten_into(base - (base - local) * keep, trainer.model)
+        dropped = algo.steps_pending - int(algo.steps_pending * keep)
+        algo.steps_pending -= dropped
+        algo.discarded_steps += dropped
+        log.warning("back in the swarm's rounds with %d windows of work: scaled to %d windows' worth (%d inner steps "
+                    "counted discarded), as the owners' norm bound would refuse it whole", windows, REJOIN_WINDOWS,
+                    dropped)  # fmt: skip
 
     def _answered(self, trainer: Trainer, algo: DiLoCoLike) -> None:
         assert self.upload is not None
@@ -172,7 +197,8 @@ class SponsoredPeer:
         self.stats.resent += 1
         self.sent_from = algo.global_params.clone()
         algo.steps_pending += self.sent_steps
-        self.sent_steps = 0
+        algo.windows_pending += self.sent_windows  # its windows count: per-window weight, and the cap in _rejoin
+        self.sent_steps = self.sent_windows = 0
         self._start_fetch(trainer, algo, trainer.outer_step)
 
     def _retime(self, resp: pb.SponsorResponse, cap_s: float) -> None:
@@ -256,6 +282,7 @@ class DiLoCoLike(Protocol):
     steps_pending: int
     windows_pending: int
     carried_in_a_row: int
+    discarded_steps: int
 
     def state_tensors(self) -> dict[str, torch.Tensor]: ...
 

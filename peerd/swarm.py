@@ -19,6 +19,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import grpc
 import torch
 
 from peerd import statefetch
@@ -255,10 +256,19 @@ class _DaemonSponsoring:
             if info is None or d.channels is None:
                 raise RoundFailed(f"sponsor {sponsor[:8]} is not in our table")
             net = d.cfg.network
-            resp = await sponsor_upload(
-                d.channels.rounds(info.address, info), d.identity, d.run_id, d.codec, vector, base_step, tokens,
-                3 * net.rendezvous_timeout + net.round_timeout, net.chunk_bytes, d.executor,
-            )  # fmt: skip
+            try:
+                resp = await sponsor_upload(
+                    d.channels.rounds(info.address, info), d.identity, d.run_id, d.codec, vector, base_step, tokens,
+                    3 * net.rendezvous_timeout + net.round_timeout, net.chunk_bytes, d.executor,
+                )  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                # A sponsor we cannot dial (killed, its host gone) stays our choice until gossip calls it dead, many
+                # windows later: each window's upload failed at once and we downloaded the state again (a hot loop,
+                # seen at 64 peers). Counted unreachable now, the next window picks another sponsor or rejoins rounds.
+                now = d.membership.get(sponsor)  # unless it came back at another address meanwhile
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and now is not None and now.address == info.address:
+                    d.membership.mark_unreachable(sponsor, why="sponsor upload failed")
+                raise
             if resp.included_step >= 0 and d.metrics is not None:
                 d.metrics.sponsored_contributions.labels(role="sent").inc()
             return resp

@@ -4,6 +4,7 @@ rounds sends its work through a sponsor, rounds stop waiting for it, and none of
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from peerd.sponsored import SLACK_S, SponsoredPeer
 from peerd.timings import FAULTY, SLOW, SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 from tests.netswarm import NetSwarm
-from tests.swarm import tiny_config
+from tests.swarm import Swarm, tiny_config
 from tests.test_slowlink import needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
 from tests.test_uneven import _rows, run_with_a_slow_uplink
@@ -162,6 +163,76 @@ def test_a_sponsored_peer_times_its_snapshot_by_what_the_sponsor_held() -> None:
     assert peer.delay_s == 60.0  # never longer than a round may take
 
 
+class _DeadSponsor:
+    """SponsorPort with one sponsor that refuses every upload at once (killed: connection refused), until the peer
+    has no sponsor any more (`sponsor = ""`)."""
+
+    def __init__(self) -> None:
+        self.sponsor = "s" * 32
+        self.uploads = 0
+
+    def target(self) -> str:
+        return self.sponsor
+
+    def upload(self, sponsor: str, vector: torch.Tensor, base_step: int, tokens: int) -> concurrent.futures.Future:
+        self.uploads += 1
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(ConnectionRefusedError("sponsor is gone"))
+        return failed
+
+
+def test_work_piled_up_through_a_dead_sponsor_rejoins_rounds_scaled_to_a_few_windows() -> None:
+    """Uploads to a dead sponsor fail and the work is kept, window after window. Back in rounds it counts the windows
+    it spans and goes in scaled to REJOIN_WINDOWS windows' worth, the rest counted discarded: 16 windows kept through
+    a dead sponsor once went into a round as one, 16x the owners' norm, and failed that round for everyone."""
+    from types import SimpleNamespace
+
+    from peerd.sponsored import REJOIN_WINDOWS
+
+    model = torch.zeros(4)
+    layout = SimpleNamespace(flatten=lambda m: m, unflatten_into=lambda v, m: m.copy_(v))
+    trainer = SimpleNamespace(
+        model=model, layout=layout, tokens_per_step=8, outer_step=3,
+        cfg=SimpleNamespace(network=SimpleNamespace(round_timeout=5.0)),
+        swarm=SimpleNamespace(fetch_state=lambda step, shapes, timeout, better: SimpleNamespace(step=3)),
+        adopt=lambda snap, why: None,
+    )  # fmt: skip
+    algo = SimpleNamespace(
+        global_params=torch.zeros(4), steps_pending=0, windows_pending=0, carried_in_a_row=0, discarded_steps=0,
+        state_tensors=lambda: {"params": torch.zeros(4)},
+    )  # fmt: skip
+    port = _DeadSponsor()
+    peer = SponsoredPeer(port)  # type: ignore[arg-type]
+
+    def window() -> bool:  # one inner step, then the window's end, driven as DiLoCo drives the cycle
+        model.sub_(0.1)
+        algo.steps_pending += 1
+        if peer.fetch is not None:
+            concurrent.futures.wait([peer.fetch], timeout=5)
+        if peer.busy:
+            peer.poll(trainer, algo)  # type: ignore[arg-type]
+        algo.windows_pending += 1
+        return peer.at_window_end(trainer, algo)[0]  # type: ignore[arg-type]
+
+    try:
+        for _ in range(12):
+            assert window()
+        assert port.uploads >= 3 and peer.stats.resent >= 2
+        assert algo.steps_pending + peer.sent_steps == 12  # none of it lost while sponsored
+        port.sponsor = ""  # no sponsor left: back in rounds, once the cycle in progress is done
+        steps = 12
+        while window():
+            steps += 1
+            assert steps < 20
+        # scaled to REJOIN_WINDOWS windows' worth, the rest counted, and one window for DiLoCo's carry rule
+        assert algo.windows_pending == 1 and algo.steps_pending + algo.discarded_steps == steps + 1
+        assert algo.steps_pending == REJOIN_WINDOWS
+        pending = float((algo.global_params - model)[0])  # the direction kept, the length that of ~4 windows
+        assert 0.1 * REJOIN_WINDOWS <= pending <= 0.1 * (REJOIN_WINDOWS + 1) and torch.all(model == model[0])
+    finally:
+        peer.close()
+
+
 def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Path) -> None:
     """PEERD_FAULT_UPLINK_MBIT (no root needed): once the swarm flags the slow peer, it stops joining rounds; its
     work reaches the swarm through a sponsor, rounds complete without waiting for it, and every peer ends on one
@@ -171,6 +242,39 @@ def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Pa
     cfg = tiny_config(tmp_path, run__outer_steps=14, inner__steps=10, inner__window_s=3.0)
     swarm = run_with_a_slow_uplink(tmp_path, cfg, 300)
     _check_sponsored_run(swarm.peers, 3, averaged=True)
+
+
+def test_a_sponsored_peer_whose_sponsor_is_killed_moves_on_and_the_survivors_end_on_one_model(tmp_path: Path) -> None:
+    """kill -9 the sponsor. The sponsored peer's next upload fails at once (connection refused): it counts that
+    sponsor unreachable, so its next window goes through another sponsor or back into rounds. Before, the dead
+    sponsor stayed its choice until gossip gave up on it: every window uploaded to it, failed, downloaded the whole
+    state and piled the work up (16 times in 6 s at 64 peers), and that pile later failed a round for everyone."""
+    cfg = tiny_config(tmp_path, run__outer_steps=16, inner__steps=10, inner__window_s=3.0)
+    swarm = Swarm(tmp_path, 4, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
+        boot = swarm.boot_address(0)
+        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
+        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
+        for p in swarm.peers:
+            p.wait_file("address")
+        slow = swarm.peers[3]
+        ids = {swarm.peers[i].status().peer_id[:8]: i for i in range(3)}
+        chose = re.compile(r"sending our work through sponsor (\w{8})")
+        swarm.wait_until(lambda: chose.search(slow.log()), 180, "a sponsor")
+        victim = ids[chose.search(slow.log())[1]]
+        swarm.peers[victim].kill()
+        survivors = [p for i, p in enumerate(swarm.peers) if i != victim]
+        swarm.wait_exit(300, survivors)
+    finally:
+        swarm.stop()
+    log = slow.log()
+    dead = next(pid for pid, i in ids.items() if i == victim)
+    assert log.count(f"sponsor {dead} did not take our work") <= 2, log[-4000:]
+    # It went on: another sponsor carried its work, or it took part in rounds itself
+    assert set(chose.findall(log)) - {dead} or "back in the swarm's rounds" in log, log[-4000:]
+    assert slow.summary()["outer_step"] == 16
+    assert_identical_globals([p.data_dir for p in survivors])
 
 
 @pytest.mark.slow
