@@ -5,8 +5,10 @@ from the cost of cutting the vector into n smaller frames.
     python -m bench.zstd_averages [--params 262144] [--peers 2,8,64]
 
 Each peer's update is a one-step Adam-like move of bench.scale_model's vector (lr times the sign of its gradient, plus
-weight decay), as bench.scale's peers send. Printed per n: the wire size, as a share of fp32, of one peer's own
-update and of the n-peer average, each cut into n frames (what a round sends) and into 2 frames (the 2-peer cut).
+weight decay), as bench.scale's peers sent before its model's targets got per-coordinate noise (a minibatch
+gradient's noise, which makes every update's values distinct, as a real model's are). Printed per n: the wire size,
+as a share of fp32, of one peer's own update and of the n-peer average, each cut into n frames (what a round sends)
+and into 2 frames (the 2-peer cut).
 """
 
 from __future__ import annotations
