@@ -29,7 +29,8 @@ included (the intersection of the masks); a round that lost someone is partial, 
 round on every member (owners abort the streams they serve, naming whom they blame), and the caller retries the step
 with a group that leaves the offender out. A round never averages a subset silently. A member whose round fails for
 any other reason (a refused fallback, an owner that timed out) fails alone: the shards it reduces keep serving the
-others until the deadline (roundtypes.SHARED_FAILURES), and it downloads the state the others reach.
+others until the deadline (roundtypes.SHARED_FAILURES), it still takes over a lost owner's shard when next in line,
+and it downloads the state the others reach.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class ReduceRound:
         self._said: set[int] = set()  # shards whose relayed average we said we serve
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
+        self._aborted: BaseException | None = None  # failed for every member: what we reduce ended too
         self._attempts: dict[int, tuple[str, asyncio.Future]] = {}  # shard -> (owner asked, the exchange)
         self._sent: set[tuple[int, str]] = set()  # (shard, owner) whose every part we handed to grpc
         # -- every shard (member side): whom each averaged part covers, and its squares for the replies' screening
@@ -243,8 +245,11 @@ class ReduceRound:
             raise StreamError("not_member", f"{sender[:8]} is not a member of this round")
         if not 0 <= shard < self.n_shards:
             raise StreamError("wrong_shape", f"contribution for shard {shard} of a round with {self.n_shards}")
-        if self._failed is not None:
-            raise RoundFailed(f"this peer's round failed: {self._failed}", set(), "aborted")
+        # A round aborted here failed everyone's (bad data, the deadline): nothing to take over. One that failed only
+        # here (self._failed alone) keeps serving what we reduce, a lost owner's shard too: refusing it failed the
+        # round of every member sent to us, and they refused in turn (seen at 64 peers under churn).
+        if self._aborted is not None:
+            raise RoundFailed(f"this peer's round failed: {self._aborted}", set(), "aborted")
         if self._next_in_line(shard, {self.ids[self.owners[shard]]}) != self.member:
             raise RoundFailed(f"this peer is not next in line for shard {shard} (it has not seen the owners lost)")
         return self._take_over(shard)
@@ -257,7 +262,7 @@ class ReduceRound:
             try:
                 return self.owner_for(shard, sender)
             except RoundFailed:
-                if time.monotonic() >= until or self._failed is not None:
+                if time.monotonic() >= until or self._aborted is not None:
                     raise
             await asyncio.sleep(0.05)
 
@@ -337,6 +342,7 @@ class ReduceRound:
 
     def abort(self, exc: BaseException) -> None:
         self._failed = self._failed or exc
+        self._aborted = self._aborted or exc
         for owner in list(self.owned.values()):
             owner.abort(exc)
 
