@@ -20,7 +20,7 @@ from tests.netswarm import NetSwarm
 from tests.swarm import Swarm, tiny_config
 from tests.test_slowlink import needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
-from tests.test_uneven import _rows, run_with_a_slow_uplink
+from tests.test_uneven import _rows, run_with_a_slow_uplink, start_with_a_slow_uplink
 
 
 def _work(peer: str, base: int, tokens: int = 10, n: int = 8) -> SponsoredWork:
@@ -252,12 +252,7 @@ def test_a_sponsored_peer_whose_sponsor_is_killed_moves_on_and_the_survivors_end
     cfg = tiny_config(tmp_path, run__outer_steps=16, inner__steps=10, inner__window_s=3.0)
     swarm = Swarm(tmp_path, 4, cfg)
     try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
-        boot = swarm.boot_address(0)
-        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
-        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
-        for p in swarm.peers:
-            p.wait_file("address")
+        start_with_a_slow_uplink(swarm)
         slow = swarm.peers[3]
         ids = {swarm.peers[i].status().peer_id[:8]: i for i in range(3)}
         chose = re.compile(r"sending our work through sponsor (\w{8})")

@@ -110,16 +110,22 @@ def test_a_peer_on_a_10x_slower_link_is_flagged_and_owns_no_shard(tmp_path: Path
     assert "this peer flagged slow by most of the swarm" in swarm.peers[3].log()
 
 
+def start_with_a_slow_uplink(swarm: Swarm) -> None:
+    """Start 4 peers of `swarm` on loopback together, the last one's upload paced to 2 Mbit/s
+    (PEERD_FAULT_UPLINK_MBIT), and wait until each is serving."""
+    swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
+    boot = swarm.boot_address(0)
+    swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
+    swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
+    for p in swarm.peers:
+        p.wait_file("address")
+
+
 def run_with_a_slow_uplink(tmp_path: Path, cfg: Path, timeout: float) -> Swarm:
     """4 peers on loopback, the last one's upload paced to 2 Mbit/s (PEERD_FAULT_UPLINK_MBIT), run to the end."""
     swarm = Swarm(tmp_path, 4, cfg)
     try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
-        boot = swarm.boot_address(0)
-        swarm.peers += [swarm.spawn(i, boot, wait_peers=4) for i in (1, 2)]
-        swarm.peers.append(swarm.spawn(3, boot, wait_peers=4, env={"PEERD_FAULT_UPLINK_MBIT": "2"}))
-        for p in swarm.peers:
-            p.wait_file("address")
+        start_with_a_slow_uplink(swarm)
         swarm.wait_exit(timeout)
     finally:
         swarm.stop()
