@@ -154,12 +154,13 @@ class Membership:
         del self.entries[min(dead)[1]]
         return True
 
-    def mark_unreachable(self, peer_id: str, now: float | None = None, why: str = "") -> None:
+    def mark_unreachable(self, peer_id: str, now: float | None = None, why: str = "", address: str = "") -> None:
         """We could not dial this peer: treat it as dead until its heartbeat advances again. `why` says what failed
-        (the "lost" line carries it)."""
+        (the "lost" line carries it). With `address` (the one we dialled), only while the peer still announces it: a
+        peer that announced another address since restarted elsewhere, and that process is alive."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
-        if entry is not None:
+        if entry is not None and (not address or entry.info.address == address):
             entry.unreachable_until = now + self.peer_timeout
             entry.unreachable_why = why
 

@@ -320,9 +320,7 @@ class RoundClient:
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        info = self.d.membership.get(peer_id)
-        if info is not None and info.address == address:
-            self.d.membership.mark_unreachable(peer_id, why="round dial failed")
+        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address)
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""

@@ -265,9 +265,8 @@ class _DaemonSponsoring:
                 # A sponsor we cannot dial (killed, its host gone) stays our choice until gossip calls it dead, many
                 # windows later: each window's upload failed at once and we downloaded the state again (a hot loop,
                 # seen at 64 peers). Counted unreachable now, the next window picks another sponsor or rejoins rounds.
-                now = d.membership.get(sponsor)  # unless it came back at another address meanwhile
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and now is not None and now.address == info.address:
-                    d.membership.mark_unreachable(sponsor, why="sponsor upload failed")
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    d.membership.mark_unreachable(sponsor, why="sponsor upload failed", address=info.address)
                 raise
             if resp.included_step >= 0 and d.metrics is not None:
                 d.metrics.sponsored_contributions.labels(role="sent").inc()
