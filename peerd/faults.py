@@ -207,6 +207,21 @@ ROUND_FAIL_ENV = "PEERD_FAULT_ROUND_FAIL_FROM_ROUND"
 round_fails = _FromRound(ROUND_FAIL_ENV)
 
 
+# A starved process: this peer's event loop blocks for this many seconds once, as its first round begins (after the
+# rendezvous, before it registers the round). Meanwhile its gRPC server picks up no new call: the members' Reduce
+# streams to it queue inside gRPC, as they do on a daemon whose loop gets too little CPU (64 peers on 2 cores).
+LOOP_STALL_ENV = "PEERD_FAULT_LOOP_STALL_S"
+_loop_stall = [float(_env(LOOP_STALL_ENV) or 0)]
+
+
+def stall_loop_once() -> None:
+    """Block the calling (event-loop) thread for PEERD_FAULT_LOOP_STALL_S seconds, the first time only."""
+    seconds, _loop_stall[0] = _loop_stall[0], 0.0
+    if seconds > 0:
+        logging.getLogger("peerd").error("fault injection: blocking the event loop for %.0f s", seconds)
+        time.sleep(seconds)
+
+
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

@@ -35,6 +35,11 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_connection_idle_ms", 300_000),
+    # gRPC cancels a call that waited this long for the server to pick it up (default 30 s), and the caller sees a bare
+    # CANCELLED. A daemon's loop starved of CPU picks calls up slowly, so members' Reduce streams to it were cancelled
+    # and their rounds failed (the largest class of failed attempts at 64 peers under churn). Each call's own
+    # deadline still bounds its wait, and grpc.server_max_pending_requests (1000) the queue.
+    ("grpc.server_max_unrequested_time_in_server", 600),
 ]
 
 

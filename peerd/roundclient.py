@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import torch
 
+from peerd import faults
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
 from peerd.channels import UNREACHABLE
 from peerd.consistency import Claim, outranks
@@ -373,6 +374,7 @@ class RoundClient:
                             "downloading the swarm's state instead", step)  # fmt: skip
                 raise Behind(step + 1)
             rendezvous_s = time.perf_counter() - t_rv
+            faults.stall_loop_once()
             weight = member_weight(group, self.d.identity.peer_id)
             try:
                 part_bytes = checked_part_bytes(group.part_bytes)

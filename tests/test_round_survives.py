@@ -176,3 +176,33 @@ def test_a_member_whose_own_round_failed_still_takes_over_a_dead_owners_shard(tm
         assert "this peer's round failed" not in p.log(), p.log_tail()
         s = p.summary()
         assert s["outer_step"] == 2 and s["rounds_failed"] == 0, p.log_tail()
+
+
+def test_an_owner_whose_loop_stalls_past_30_s_still_gets_every_stream(tmp_path: Path) -> None:
+    """A starved owner (PEERD_FAULT_LOOP_STALL_S: its event loop blocks for 33 s as its first round begins) picks up
+    no new gRPC call meanwhile, so the members' Reduce streams to it wait inside gRPC. gRPC's server used to cancel a
+    call nobody picked up within 30 s, and the member saw CANCELLED (the largest class of failed attempts at 64 peers
+    under churn): its round failed, and it cancelled the streams it owed others, failing theirs in turn. The server
+    now keeps such calls (`limits.SERVER_OPTIONS`; each call's own deadline still bounds it): the round completes,
+    late, with every member and no failed attempt."""
+    n = 4
+    ids_in_order(tmp_path, n)  # the stalled peer has the highest id: an owner, not the round's leader
+    cfg = tiny_config(
+        tmp_path, run__outer_steps=2, network__peer_timeout=60.0, network__round_timeout=120.0
+    )  # a 33 s stall is no death here: the test is about the streams, not the failure detector
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            env = {"PEERD_FAULT_LOOP_STALL_S": "33"} if i == n - 1 else None
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=env))
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    assert "fault injection: blocking the event loop for 33 s" in swarm.peers[-1].log()
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 2, p.log_tail()
+        assert s["rounds_failed"] == 0, p.log_tail()
+        assert all(len(r["included"]) == n for r in s["rounds"]), s["rounds"]
+    assert_identical_globals([p.data_dir for p in swarm.peers])
