@@ -115,12 +115,16 @@ class ReduceRound:
         part_bytes: int = PART_BYTES,
         weights: list[float] | None = None,
         on_unreachable: Callable[[str, str], None] | None = None,
+        seen_gone: Callable[[str], bool] | None = None,
     ) -> None:
         """`guard` checks contributions and replies and picks the aggregation rule (peerd/robust.py); `on_invalid`
         (peer id, reason) hears of every member whose signed data it refused. `part_bytes` bounds one part's frame.
         `weights`: each member's token weight, when the group is weighted (a subset's mean is re-weighted);
-        `on_unreachable` (peer id, address) hears of an owner whose dial failed mid-round (membership marks it)."""
+        `on_unreachable` (peer id, address) hears of an owner whose dial failed mid-round (membership marks it).
+        `seen_gone(peer id)`: our own evidence, outside this round, that a member's process in it is gone (not live in
+        our gossip view, or restarted since the group formed), which a takeover may rely on (`owner_for`)."""
         self.on_unreachable = on_unreachable
+        self.seen_gone = seen_gone
         self.want_decoded = want_decoded
         self.guard = guard
         self.group = group
@@ -250,7 +254,14 @@ class ReduceRound:
         # round of every member sent to us, and they refused in turn (seen at 64 peers under churn).
         if self._aborted is not None:
             raise RoundFailed(f"this peer's round failed: {self._aborted}", set(), "aborted")
-        if self._next_in_line(shard, {self.ids[self.owners[shard]]}) != self.member:
+        # The asker's word stands for the owner itself; for the owners between it and us, our own evidence: this
+        # round's (our exchange with one failed) or our gossip view's. The latter matters at scale: a peer killed
+        # after its exchange with us completed is lost to this round only once it has been silent for twice the
+        # peer timeout (30 s), while our own dials and gossip see it gone in seconds, or see its new process.
+        gone = {self.ids[self.owners[shard]]}
+        if self.seen_gone is not None:
+            gone |= {p for p in self._line_before(shard) if self.seen_gone(p)}
+        if self._next_in_line(shard, gone) != self.member:
             raise RoundFailed(f"this peer is not next in line for shard {shard} (it has not seen the owners lost)")
         return self._take_over(shard)
 

@@ -384,6 +384,7 @@ class RoundClient:
                     avoid.add(group.leader)
                 log.warning("round for step %d (attempt %d) refused: %s; retrying", step, attempt, exc)
                 continue
+            incarnations = {m.peer_id: m.incarnation for m in group.members}
             rnd = ReduceRound(
                 group,
                 self.d.identity,
@@ -399,9 +400,9 @@ class RoundClient:
                 part_bytes=part_bytes,
                 weights=[member_weight(group, m.peer_id) for m in group.members] if weight != 1.0 else None,
                 on_unreachable=self._unreachable_at,
+                seen_gone=lambda pid, inc=incarnations: self.d.membership.gone(pid, inc.get(pid, 0)),
             )
             self.register_round(group.round_id, rnd)
-            incarnations = {m.peer_id: m.incarnation for m in group.members}
             watch = self._watch_sources(group.round_id, rnd, incarnations)
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
             # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.

@@ -59,6 +59,19 @@ def test_a_new_incarnation_is_recorded_as_a_restart_once() -> None:
     assert m.drain_restarts() == [(pid, 11, 12)]
 
 
+def test_gone_is_our_own_evidence_that_a_rounds_process_of_a_peer_is_gone() -> None:
+    """What a peer asked to take over a shard relies on (`ReduceRound.owner_for`): silence past the timeout, a failed
+    dial of ours, or a newer incarnation. A peer we never heard of is no evidence."""
+    m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+    a, b = _info(b"a" * 32, 1).peer_id, _info(b"b" * 32, 1).peer_id
+    m.merge([_info(b"a" * 32, 1, incarnation=3), _info(b"b" * 32, 1, incarnation=3)], now=0.0)
+    assert not m.gone(a, 3, now=1.0) and not m.gone("c" * 64, 1, now=1.0) and not m.gone(m.self_id, 0, now=1.0)
+    assert m.gone(a, 2, now=1.0)  # the round had its previous process
+    assert m.gone(a, 3, now=5.5)  # silent past the timeout
+    m.mark_unreachable(b, now=1.0, address="h:1")
+    assert m.gone(b, 3, now=1.5)  # our dial failed
+
+
 @pytest.mark.slow
 def test_bounded_gossip_goes_round_robin_and_expiring_entries_are_probed_once() -> None:
     """With gossip_entries = 8 a message carries 8 peers besides ourselves whatever the table size, the least recently
