@@ -221,14 +221,19 @@ class Membership:
             and not self.excluded(peer_id)
         )
 
+    def restarted_since(self, peer_id: str, incarnation: int) -> bool:
+        """Whether a newer process than `incarnation` announced itself for `peer_id`: that process is gone, though the
+        peer's heartbeat keeps advancing, so silence would never show it."""
+        info = self.get(peer_id)
+        return info is not None and info.incarnation > incarnation
+
     def gone(self, peer_id: str, incarnation: int, now: float | None = None) -> bool:
         """Whether our own view has the process `incarnation` of `peer_id` gone: the peer is not live here (silent
         past the timeout, a dial of ours failed, it left), or a newer incarnation announced itself. A peer we have not
         heard of yet is no evidence (a newcomer in a round)."""
-        e = self.entries.get(peer_id)
-        if e is None or peer_id == self.me.peer_id:
+        if peer_id not in self.entries or peer_id == self.me.peer_id:
             return False
-        return e.info.incarnation > incarnation or not self.is_alive(peer_id, now)
+        return self.restarted_since(peer_id, incarnation) or not self.is_alive(peer_id, now)
 
     def alive(self, now: float | None = None, include_self: bool = True) -> list[pb.PeerInfo]:
         """Live peers, sorted by peer id (ourselves included unless asked not to)."""

@@ -311,12 +311,12 @@ class RoundClient:
         return task
 
     def _restarted(self, peer_id: str, incarnations: dict[str, int] | None) -> bool:
-        """Whether `peer_id` restarted since the group formed (a newer incarnation announces itself): the process in
-        the round is gone, though the peer's heartbeat keeps advancing, so silence would never show it."""
-        if not incarnations or peer_id not in incarnations:
-            return False
-        info = self.d.membership.get(peer_id)
-        return info is not None and info.incarnation > incarnations[peer_id]
+        """Whether `peer_id` restarted since the group formed (`incarnations`: each member's then)."""
+        return (
+            bool(incarnations)
+            and peer_id in incarnations
+            and self.d.membership.restarted_since(peer_id, incarnations[peer_id])
+        )
 
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
