@@ -524,8 +524,8 @@ weight_decay = 0.1
 grad_clip = 1.0
 total_steps = 0           # >0: cosine-decay the inner lr to 10% by this inner step (part of the spec); 0: constant
 window_s = 0.0            # diloco/streaming: >0 = train this many seconds per outer step (steps sized to speed)
-rewarm_steps = "auto"     # warmup after --init-from, and after adopting a state 2+ outer steps ahead (fresh AdamW
-                          # moments); "auto" = warmup_steps, 0 = never
+rewarm_steps = "auto"     # warmup after --init-from, and after adopting a state 2+ outer steps ahead (1+ after a
+                          # resume; fresh AdamW moments); "auto" = warmup_steps, 0 = never
 
 [outer]                   # DiLoCo / Streaming DiLoCo outer Nesterov SGD
 lr = 0.7
