@@ -60,18 +60,15 @@ from peerd.roundtypes import RoundStats as RoundStats
 from peerd.roundtypes import relayed_suspects as relayed_suspects
 from peerd.roundtypes import suspects_metadata as suspects_metadata
 from peerd.shard_owner import RoundContext, ShardOwner
-from peerd.shard_relay import HeldShard, read_relay, relay_stream
+from peerd.shard_relay import HeldShard, pull_reply
 from peerd.streams import ReceivedTensor, StreamError, read_tensor
+from peerd.takeover import StubFor, Takeover
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_to_wire, kind_to_wire
 
 log = logging.getLogger("peerd")
 
 BLAME_GRACE_S = 0.5
-FALLBACK_GRACE_S = 10.0
-"""How long a peer asked to take over a shard waits for its own view to agree that every owner before it in line is
-lost (its own exchanges with them fail a moment after the asker's did: seconds later on a starved event loop, as with
-64 daemons on 2 cores), before it refuses."""
 
 
 @dataclass
@@ -91,10 +88,7 @@ class RoundResult:
         return len(self.included) < len(self.group.expected)
 
 
-StubFor = Callable[[pb.PeerInfo], object]  # returns a RoundsStub for a member
-
-
-class ReduceRound:
+class ReduceRound(Takeover):
     """This peer's part in one group's reduce-scatter + all-gather: its contributions to every shard (member side)
     and the shards it owns (shard_owner.py), its own and those it took over from a lost owner."""
 
@@ -169,6 +163,7 @@ class ReduceRound:
         self._relayed: set[int] = set()
         self._tasks: set[asyncio.Future] = set()
         self._stub_for: StubFor | None = None
+        self._verifier: Verifier | None = None
         self._said: set[int] = set()  # shards whose relayed average we said we serve
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
@@ -199,99 +194,17 @@ class ReduceRound:
         if kind == "relay":
             await self._adopt_relay(messages, verifier, sender, shard)
             return
+        if kind == "pull":  # a fallback owner asks for the shard's average: what we hold of it, or nothing
+            if sender not in self.ids or not 0 <= shard < self.n_shards:
+                raise StreamError("not_member", f"{sender[:8]} asked for shard {shard} of a round it is not in")
+            for msg in pull_reply(self.held.get(shard), self.chunk_bytes):
+                yield msg
+            return
         owner = await self.wait_owner(shard, sender)
         if owner.relayed_from is not None:
             self._say_relayed(shard, owner.relayed_from)
         async for msg in owner.serve(messages, verifier, sender):
             yield msg
-
-    async def _adopt_relay(
-        self, messages: AsyncIterator[pb.TensorMessage], verifier: Verifier, sender: str, shard: int
-    ) -> None:
-        if sender not in self.ids or not 0 <= shard < self.n_shards:
-            raise StreamError("not_member", f"{sender[:8]} relayed shard {shard} of a round it is not in")
-        known = self.owned.get(shard)
-        if known is not None and known.reduced.done():
-            return  # it reached us already (we held it, or another member relayed it first): skip the copy
-        held = await read_relay(
-            messages, verifier, sender, round_id=self.group.round_id, shard=shard, parts=self.parts[shard],
-            codec=self.codec, n=self.n, sources=self._line_before(shard),
-        )  # fmt: skip
-        owner = await self.wait_owner(shard, held.source)
-        if self.average is not None and await owner.adopt(held.frames(), held.source):
-            log.debug("shard %d of a lost owner reached us through %s", shard, sender[:8])
-            if not self._done:  # members of this round wait for it (after completion: only if one asks)
-                self._say_relayed(shard, held.source)
-
-    def _say_relayed(self, shard: int, source: str) -> None:
-        if shard not in self._said:  # once per shard: every member that missed it comes here
-            self._said.add(shard)
-            log.info("shard %d of a lost owner: serving %s's own average to the members that missed it", shard,
-                     source[:8])  # fmt: skip
-
-    def _line(self, shard: int) -> list[int]:
-        """Who reduces `shard`, in order: its owner, then the owners after it in member order (the fallbacks)."""
-        return [self.owners[(shard + step) % self.n_shards] for step in range(self.n_shards)]
-
-    def _line_before(self, shard: int) -> list[str]:
-        """Who may have averaged `shard` before us: its owner, then the owners after it in member order up to us."""
-        line = self._line(shard)
-        if self.member not in line:
-            return []  # we own no shard: nothing is ever relayed to us
-        return [self.ids[i] for i in line[: line.index(self.member)]]
-
-    def owner_for(self, shard: int, sender: str) -> ShardOwner:
-        """Our owner side of `shard`: our own, or a lost owner's shard when we are next in line for it."""
-        owner = self.owned.get(shard)
-        if owner is not None:
-            return owner
-        if sender not in self.ids or sender == self.identity.peer_id:
-            raise StreamError("not_member", f"{sender[:8]} is not a member of this round")
-        if not 0 <= shard < self.n_shards:
-            raise StreamError("wrong_shape", f"contribution for shard {shard} of a round with {self.n_shards}")
-        # A round aborted here failed everyone's (bad data, the deadline): nothing to take over. One that failed only
-        # here (self._failed alone) keeps serving what we reduce, a lost owner's shard too: refusing it failed the
-        # round of every member sent to us, and they refused in turn (seen at 64 peers under churn).
-        if self._aborted is not None:
-            raise RoundFailed(f"this peer's round failed: {self._aborted}", set(), "aborted")
-        # The asker's word stands for the owner itself; for the owners between it and us, our own evidence: this
-        # round's (our exchange with one failed) or our gossip view's. The latter matters at scale: a peer killed
-        # after its exchange with us completed is lost to this round only once it has been silent for twice the
-        # peer timeout (30 s), while our own dials and gossip see it gone in seconds, or see its new process.
-        gone = {self.ids[self.owners[shard]]}
-        if self.seen_gone is not None:
-            gone |= {p for p in self._line_before(shard) if self.seen_gone(p)}
-        if self._next_in_line(shard, gone) != self.member:
-            raise RoundFailed(f"this peer is not next in line for shard {shard} (it has not seen the owners lost)")
-        return self._take_over(shard)
-
-    async def wait_owner(self, shard: int, sender: str) -> ShardOwner:
-        """`owner_for`, giving our own view up to FALLBACK_GRACE_S to see the owners before us lost, as the asker
-        did a moment earlier."""
-        until = min(time.monotonic() + FALLBACK_GRACE_S, self.deadline)
-        while True:
-            try:
-                return self.owner_for(shard, sender)
-            except RoundFailed:
-                if time.monotonic() >= until or self._aborted is not None:
-                    raise
-            await asyncio.sleep(0.05)
-
-    def _take_over(self, shard: int) -> ShardOwner:
-        left = {self.owners[shard]} | {self.ids.index(p) for p in self.lost | self.left}
-        owner = ShardOwner(self.ctx, shard, self.parts[shard], set(range(self.n)) - left, leave_out_silent=False)
-        self.owned[shard] = owner
-        held = self.held.get(shard)
-        if held is not None and held.source in self._line_before(shard):  # we have its average: serve that
-            owner.adopt_known(held.frames(), self.reply_sumsq[shard], held.source)
-            if not self._done:
-                self._say_relayed(shard, held.source)
-        return owner
-
-    def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
-        """The member that reduces `shard`: its owner, or else the next owner in member order not seen lost."""
-        lost = self.lost | (also_lost or set())
-        return next((i for i in self._line(shard) if self.ids[i] not in lost), None)
 
     def member_left(self, peer_id: str) -> None:
         """`peer_id`'s stream to us broke off, or another owner's averaged part left it out: every shard we reduce
@@ -316,30 +229,6 @@ class ReduceRound:
             if target == peer_id and not attempt.done():
                 attempt.cancel()
         self.source_gone(peer_id)
-
-    def source_gone(self, peer_id: str) -> None:
-        """`peer_id` looks gone: relay every shard we hold from it to whoever is next in line for that shard, in case
-        it died before every member had it (shard_relay.py). Harmless when it did not: nobody asks the fallback."""
-        for j, held in self.held.items():
-            if held.source != peer_id or j in self._relayed or self._stub_for is None:
-                continue
-            self._relayed.add(j)
-            nxt = self._next_in_line(j, {peer_id})
-            if nxt is not None and nxt != self.member:  # ourselves: _take_over serves what we hold when asked
-                task = asyncio.ensure_future(self._relay(j, self.group.members[nxt], self._stub_for))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-    async def _relay(self, j: int, to: pb.PeerInfo, stub_for: StubFor) -> None:
-        msgs = relay_stream(
-            self.held[j], self.group.round_id, j, self.identity, self.run_id, self.chunk_bytes, to.incarnation
-        )
-        call = stub_for(to).Reduce(msgs, timeout=FALLBACK_GRACE_S + 5.0)  # type: ignore[attr-defined]
-        try:
-            async for _ in call:
-                pass
-        except grpc.aio.AioRpcError as exc:  # it may not need it (every member had the shard): nothing to do
-            log.debug("relaying shard %d to %s: %s", j, to.peer_id[:8], exc.code().name)
 
     @property
     def failed(self) -> bool:
@@ -368,6 +257,7 @@ class ReduceRound:
             raise RoundFailed("no reachable peer in the group: nobody can own a shard", set(), "no_reachable")
         t0 = time.perf_counter()
         self._stub_for = stub_for
+        self._verifier = verifier
         loop = asyncio.get_running_loop()
         tasks: dict[int, asyncio.Future] = {}
         try:
@@ -541,6 +431,8 @@ class ReduceRound:
     async def _exchange(self, j: int, target: int, stub_for: StubFor, verifier: Verifier) -> None:
         member = self.group.members[target]
         pid = member.peer_id
+        if j == 0 and target == self.owners[0] and faults.owner_looks_lost(self.group.round_id):
+            raise OwnerLost(f"fault injection: {pid[:8]} looks lost to this member")
         stub = stub_for(member)
         remaining = max(self.deadline - time.monotonic(), 0.01)
         call = stub.Reduce(self._send_parts(j, pid), timeout=remaining)  # type: ignore[attr-defined]
@@ -576,6 +468,10 @@ class ReduceRound:
                     self.ctx.invalid(pid, "nan" if "NaN" in str(exc) else "malformed")
                     raise RoundFailed(f"{pid[:8]} sent an undecodable average: {exc}", {pid}) from exc
             self.held[j] = HeldShard(pid, received)
+            fallback = self.owned.get(j) if j != self.me else None
+            if fallback is not None and fallback.can_adopt():  # we took it over meanwhile: serve what its owner sent
+                fallback.adopt_known(self.held[j].frames(), self.reply_sumsq[j], pid)
+                self._say_relayed(j, pid)
         except StreamError as exc:
             if exc.sender == pid:
                 self.ctx.invalid(pid, exc.reason)

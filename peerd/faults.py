@@ -179,9 +179,10 @@ class _FromRound:
     """A fault that holds from the round with the 0-based index its environment variable names on (all rounds this
     process took part in counted, by round id), so the first rounds hold every member."""
 
-    def __init__(self, env: str, says: str = "") -> None:
+    def __init__(self, env: str, says: str = "", only: bool = False) -> None:
         self.start = int(_env(env).strip() or -1)
         self.says = says  # logged once, when the fault first holds
+        self.only = only  # in that round alone
         self._seen: dict[bytes, int] = {}
 
     def __call__(self, round_id: bytes) -> bool:
@@ -192,7 +193,7 @@ class _FromRound:
             self._seen[key] = len(self._seen)
             if self.says and self._seen[key] == self.start:
                 logging.getLogger("peerd").error("fault injection: %s", self.says)
-        return self._seen[key] >= self.start
+        return self._seen[key] == self.start if self.only else self._seen[key] >= self.start
 
 
 # A member whose Reduce streams to other owners open and then carry nothing until the round's deadline: alive in
@@ -205,6 +206,13 @@ reduce_silent = _FromRound(REDUCE_SILENT_ENV, "sending nothing on Reduce streams
 # owner had failed (a refused fallback, say): its failure must stay its own.
 ROUND_FAIL_ENV = "PEERD_FAULT_ROUND_FAIL_FROM_ROUND"
 round_fails = _FromRound(ROUND_FAIL_ENV)
+
+
+# A member that sees shard 0's owner lost in one round (the round with this 0-based index) although it is alive: its
+# exchange with that owner fails at once, as a starved loop's streams or a false gossip verdict make it, and it sends
+# the shard to the next owner in line, while the members that see the owner alive finish with it.
+OWNER_LOOKS_LOST_ENV = "PEERD_FAULT_SHARD0_OWNER_LOOKS_LOST_IN_ROUND"
+owner_looks_lost = _FromRound(OWNER_LOOKS_LOST_ENV, "shard 0's owner looks lost to this member", only=True)
 
 
 # A starved process: this peer's event loop blocks for this many seconds once, as its first round begins (after the

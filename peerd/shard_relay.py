@@ -11,12 +11,21 @@ them. When it sees a shard's sender gone, it relays those parts, verbatim, to th
 fallback checks the lost owner's own signatures on them (`read_relay`) and serves those bytes, with their masks, to
 every member that asks it, instead of its own average. A fallback that itself holds the shard serves it the same way.
 Every member so decodes the same bytes for every shard, and the round completes once, with one model.
+
+A relay needs the member to see the owner gone. An owner that only *looked* lost to some members (their streams to
+it failed on a starved loop, or they saw it silent in gossip) is alive to the rest, which finish with it and relay
+nothing, while the fallback waits for them until the round times out (seen at 64 peers under churn). So the fallback
+also asks the members it waits for (`pull_request`): one that holds the shard whole answers with the same signed
+parts a relay would carry (`pull_reply`), and one that does not answers with nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from peerd.codecs import Codec
 from peerd.envelope import Verifier
@@ -26,6 +35,9 @@ from peerd.roundtypes import part_messages
 from peerd.streams import ReceivedTensor, StreamError, read_tensor, relayed_messages
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_name, kind_to_wire
+
+PULL_EVERY_S = 2.0  # how often a fallback owner asks the members it still waits for
+PULL_FANOUT = 3  # members asked at a time
 
 
 @dataclass
@@ -60,6 +72,23 @@ def relay_stream(
         yield from relayed_messages(rx, chunk_bytes)
 
 
+def pull_request(
+    round_id: bytes, shard: int, identity: Identity, run_id: bytes, chunk_bytes: int, to_incarnation: int = 0
+) -> Iterator[pb.TensorMessage]:
+    """A Reduce stream that asks a member for `shard`'s average: our own signed, empty PULL tensor."""
+    header = pb.TensorHeader(
+        round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire("pull"), to_incarnation=to_incarnation
+    )
+    msgs, _ = part_messages(header, b"", identity, run_id, chunk_bytes, b"")
+    yield from msgs
+
+
+def pull_reply(held: HeldShard | None, chunk_bytes: int) -> Iterator[pb.TensorMessage]:
+    """The answer to a pull: the parts we hold exactly as their source signed them, or nothing."""
+    for rx in held.parts if held is not None else ():
+        yield from relayed_messages(rx, chunk_bytes)
+
+
 async def read_relay(
     messages: AsyncIterator[pb.TensorMessage],
     verifier: Verifier,
@@ -71,11 +100,14 @@ async def read_relay(
     codec: Codec,
     n: int,
     sources: list[str],
+    own_first: bool = True,
 ) -> HeldShard:
-    """Read a relay stream whose first header the service verified as `sender`'s. The parts must be signed by one
-    of `sources` (the shard's owner, or a fallback before us in line), name this round, this shard and each part in
-    order, fit the round's layout, and carry a well-formed mask; nothing is decoded here."""
-    await read_tensor(messages, verifier, 0, verified_sender=sender)  # the relayer's own empty tensor
+    """Read a relay stream whose first header the service verified as `sender`'s (`own_first`), or a pull's answer
+    (parts only). The parts must be signed by one of `sources` (the shard's owner, or a fallback before us in line),
+    name this round, this shard and each part in order, fit the round's layout, and carry a well-formed mask; nothing
+    is decoded here."""
+    if own_first:
+        await read_tensor(messages, verifier, 0, verified_sender=sender)  # the relayer's own empty tensor
     got: list[ReceivedTensor] = []
     chain = b""
     for k, (lo, hi) in enumerate(parts):
@@ -92,3 +124,40 @@ async def read_relay(
         chain = rx.digest
         got.append(rx)
     return HeldShard(got[0].sender, got)
+
+
+class Adopter(Protocol):
+    """What a pull needs of a fallback owner's shard (shard_owner.ShardOwner)."""
+
+    reduced: asyncio.Future[None]
+
+    def missing(self) -> set[str]: ...
+
+    async def adopt(self, frames: list[tuple[bytes | bytearray, bytes]], source: str) -> bool: ...
+
+
+async def pull_until_reduced(
+    owner: Adopter, ask: Callable[[str], Awaitable[HeldShard | None]], deadline: float, first_after_s: float
+) -> str | None:
+    """Ask the members `owner` still waits for, PULL_FANOUT at a time and each in turn, whether they hold the shard
+    whole, until one does (its source's parts are adopted: returns that source), the shard is reduced here after all,
+    or the round's deadline passes. `ask` returns None for a member that holds nothing or cannot be reached."""
+    await asyncio.sleep(first_after_s)
+    asked: set[str] = set()
+    while not owner.reduced.done() and time.monotonic() < deadline:
+        waiting = owner.missing()
+        batch = sorted(waiting - asked)[:PULL_FANOUT]
+        if not batch:  # every one asked once: start over (a member may have finished with the owner since)
+            asked.clear()
+            batch = sorted(waiting)[:PULL_FANOUT]
+        asked |= set(batch)
+        for held in await asyncio.gather(*(ask(pid) for pid in batch)):
+            if held is None or owner.reduced.done():
+                continue
+            try:
+                if await owner.adopt(held.frames(), held.source):
+                    return held.source
+            except StreamError:  # cannot be: the member decoded these very parts; ask the others
+                continue
+        await asyncio.sleep(PULL_EVERY_S)
+    return None

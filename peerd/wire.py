@@ -16,6 +16,7 @@ _KINDS = {
     "mix": pb.TENSOR_KIND_MIX,
     "relay": pb.TENSOR_KIND_RELAY,
     "sponsored": pb.TENSOR_KIND_SPONSORED,
+    "pull": pb.TENSOR_KIND_PULL,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 

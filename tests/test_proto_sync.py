@@ -49,9 +49,9 @@ def test_tensor_kinds_round_trip_and_unknown_ones_are_empty() -> None:
     from peerd.v1 import peerd_pb2 as pb
     from peerd.wire import kind_name, kind_to_wire
 
-    for name in ("reduce", "gather", "relay", "sponsored", *KINDS, *MIXED_KINDS):
+    for name in ("reduce", "gather", "relay", "sponsored", "pull", *KINDS, *MIXED_KINDS):
         assert kind_name(kind_to_wire(name)) == name
-    assert len(pb.TensorKind.values()) == 8
+    assert len(pb.TensorKind.values()) == 9
     assert kind_name(pb.TENSOR_KIND_UNSPECIFIED) == "" and kind_name(42) == ""
 
 

@@ -206,3 +206,33 @@ def test_an_owner_whose_loop_stalls_past_30_s_still_gets_every_stream(tmp_path: 
         assert s["rounds_failed"] == 0, p.log_tail()
         assert all(len(r["included"]) == n for r in s["rounds"]), s["rounds"]
     assert_identical_globals([p.data_dir for p in swarm.peers])
+
+
+def test_a_fallback_pulls_the_average_of_an_owner_that_only_looked_lost(tmp_path: Path) -> None:
+    """Members whose view has a live owner lost (a starved loop's streams, a false gossip verdict) send its shard to
+    the next owner in line, while the others finish with the owner and relay nothing, since for them it is alive. The
+    fallback waited for those others until the round timed out (at 64 peers under churn, 40 members at once), and
+    the round failed for everyone sent to it. Here peers 1 and 2 of 6 see shard 0's owner (peer 0) lost in the first
+    round (PEERD_FAULT_SHARD0_OWNER_LOOKS_LOST_IN_ROUND); peer 1 is next in line. Peer 0 leaves the two out once they
+    stayed silent for half the round's time and completes with peers 3-5. Peer 1 now asks the members it waits for
+    (a PULL), adopts a copy of peer 0's own average, and serves it to peer 2: nobody's round fails, one model."""
+    n = 6
+    ids_in_order(tmp_path, n)  # member order = peer order: peer 0 owns shard 0, peer 1 is next in line for it
+    lost = {"PEERD_FAULT_SHARD0_OWNER_LOOKS_LOST_IN_ROUND": "0"}
+    swarm = Swarm(tmp_path, n, tiny_config(tmp_path, run__outer_steps=3, network__round_timeout=16.0))
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
+        for i in range(1, n):
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=lost if i in (1, 2) else None))
+        swarm.wait_exit(180)
+    finally:
+        swarm.stop()
+    fallback = swarm.peers[1]
+    for p in swarm.peers[1:3]:
+        assert "fault injection: shard 0's owner looks lost" in p.log(), p.log_tail()
+    assert "shard 0: members that finished with" in fallback.log(), fallback.log_tail()
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
+        assert len(s["rounds"][0]["expected"]) == n, s["rounds"][0]

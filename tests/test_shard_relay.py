@@ -17,7 +17,7 @@ from peerd.envelope import Verifier
 from peerd.identity import Identity
 from peerd.roundtypes import RoundStats, part_messages, sum_of_squares
 from peerd.shard_owner import RoundContext, ShardOwner
-from peerd.shard_relay import HeldShard, read_relay, relay_stream
+from peerd.shard_relay import HeldShard, pull_reply, pull_request, pull_until_reduced, read_relay, relay_stream
 from peerd.streams import StreamError, read_tensor
 from peerd.v1 import peerd_pb2 as pb
 from peerd.wire import codec_to_wire, kind_to_wire
@@ -104,7 +104,7 @@ def test_a_relay_is_refused_unless_the_owner_signed_it_for_this_shard_of_this_ro
     asyncio.run(main())
 
 
-def _fallback(n: int = 3) -> tuple[ShardOwner, torch.Tensor]:
+def _fallback(n: int = 3, waits_for: set[int] | None = None) -> tuple[ShardOwner, torch.Tensor]:
     ident = Identity.generate()
     ids = [ident.peer_id] + [f"{i:064x}" for i in range(1, n)]
     result = torch.zeros(8)
@@ -116,7 +116,7 @@ def _fallback(n: int = 3) -> tuple[ShardOwner, torch.Tensor]:
         pb.Group(round_id=ROUND), ids, 0, ident, RUN, CODEC, ThreadPoolExecutor(1), 1 << 20, None, None, place,
         lambda _: None, RoundStats(), time.monotonic() + 30, None,
     )  # fmt: skip
-    return ShardOwner(ctx, 1, PARTS, {0, 2}), result
+    return ShardOwner(ctx, 1, PARTS, {0, 2} if waits_for is None else waits_for), result
 
 
 def test_a_fallback_serves_the_adopted_average_not_its_own() -> None:
@@ -151,5 +151,47 @@ def test_a_fallback_that_began_averaging_does_not_adopt() -> None:
         await asyncio.sleep(0.1)
         assert not await fallback.adopt((await _held(owner, torch.ones(8))).frames(), owner.peer_id)
         assert torch.equal(result[:4], torch.full((4,), 1.0))
+
+    asyncio.run(main())
+
+
+def test_a_pull_answer_arrives_as_its_owner_signed_it_and_nothing_held_is_an_empty_answer() -> None:
+    owner = Identity.generate()
+    values = torch.arange(8, dtype=torch.float32)
+
+    async def main() -> None:
+        held = await _held(owner, values)
+        ask = list(pull_request(ROUND, 1, Identity.generate(), RUN, 5))
+        assert ask[0].header.kind == kind_to_wire("pull") and ask[0].header.numel == 0
+        got = await read_relay(_stream(pull_reply(held, 5)), Verifier(RUN), "", round_id=ROUND, shard=1, parts=PARTS,
+                               codec=CODEC, n=3, sources=[owner.peer_id], own_first=False)  # fmt: skip
+        assert got.source == owner.peer_id
+        assert [bytes(rx.payload) for rx in got.parts] == [bytes(rx.payload) for rx in held.parts]
+        assert list(pull_reply(None, 5)) == []
+
+    asyncio.run(main())
+
+
+def test_a_fallback_pulls_from_the_members_it_waits_for_until_one_holds_the_shard() -> None:
+    owner = Identity.generate()
+    theirs = torch.arange(8, dtype=torch.float32) / 3
+
+    async def main() -> None:
+        fallback, result = _fallback(6, set(range(6)))  # waits for all 6 members (itself included)
+        held = await _held(owner, theirs)
+        waiting = sorted(fallback.missing())
+        asked: list[str] = []
+
+        async def ask(pid: str) -> HeldShard | None:
+            asked.append(pid)
+            return held if len(asked) > 7 else None  # nobody holds it the first time round
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("peerd.shard_relay.PULL_EVERY_S", 0.01)
+            source = await pull_until_reduced(fallback, ask, time.monotonic() + 5, 0.0)
+            assert source == owner.peer_id and torch.equal(result, theirs)
+            assert asked == waiting + waiting[:3]  # each in turn, then again from the start; one copy adopted
+            assert await pull_until_reduced(fallback, ask, time.monotonic() + 5, 0.0) is None  # reduced: no asking
+        assert len(asked) == 9
 
     asyncio.run(main())

@@ -28,6 +28,7 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_MIX: _ClassVar[TensorKind]
     TENSOR_KIND_RELAY: _ClassVar[TensorKind]
     TENSOR_KIND_SPONSORED: _ClassVar[TensorKind]
+    TENSOR_KIND_PULL: _ClassVar[TensorKind]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
@@ -44,6 +45,7 @@ TENSOR_KIND_PAIR: TensorKind
 TENSOR_KIND_MIX: TensorKind
 TENSOR_KIND_RELAY: TensorKind
 TENSOR_KIND_SPONSORED: TensorKind
+TENSOR_KIND_PULL: TensorKind
 
 class Auth(_message.Message):
     __slots__ = ("run_id", "public_key", "timestamp_ms", "nonce", "signature", "admission")
