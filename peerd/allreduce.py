@@ -165,6 +165,8 @@ class ReduceRound(Takeover):
         self._stub_for: StubFor | None = None
         self._verifier: Verifier | None = None
         self._said: set[int] = set()  # shards whose relayed average we said we serve
+        self._probed: set[str] = set()
+        self._probed_gone: set[str] = set()
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
         self._aborted: BaseException | None = None  # failed for every member: what we reduce ended too
