@@ -151,8 +151,8 @@ class DiLoCo(OuterAlgorithm):
             pseudo = self.feedback.compensate("params", pseudo.cpu())
         # One window's weight, as a sponsor's carried work has (peerd/sponsored.py): work k windows long (carried past
         # a missed round, or kept over a failed one) already moves the weights about k times as far, so its k windows'
-        # tokens would count it k^2 times. At 64 peers a restarted peer's carried window went out at twice the weight
-        # of the others and 10.8x the owners' norm, and the round failed for everyone.
+        # tokens would count it k^2 times (at 64 peers a restarted peer's carried window went out at twice the others'
+        # weight, among other causes of a contribution 10.8x the owners' norm: README, Scale).
         tokens = self.steps_pending * trainer.tokens_per_step // max(self.windows_pending, 1)
         # Slow-link peers' work that reached us: it rides in our contribution, each part at its own weight
         taken = self.sponsoring.take(step, float(torch.linalg.vector_norm(pending)))
