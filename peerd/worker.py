@@ -36,7 +36,7 @@ from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_check
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
 from trainer.initfrom import InitError, load_init
-from trainer.inner import make_inner_optimizer, rewarm
+from trainer.inner import make_inner_optimizer, rewarm, rewarm_reason
 from trainer.model import GPT, ModelConfig
 from trainer.plugin import build_model, load_factory
 from trainer.ranks import STOP, SYNC, TRAIN, LocalRanks, RanksError, params_digest, rank_seed
@@ -233,19 +233,14 @@ class Worker:
         # a diverged state, or of any length from moments a checkpoint kept (a restart: the swarm trained on while we
         # were down) leaves the moments describing other weights: re-warm (inner.rewarm_steps). On bench.scale's
         # vector model, converged moments moved onto weights 0.05 away took a first step 2.4x a converged one's.
-        stale, self.moments_from_checkpoint = self.moments_from_checkpoint and jump >= 1, False
+        reason = rewarm_reason(jump, why, self.moments_from_checkpoint)
+        self.moments_from_checkpoint = False
         steps = self.cfg.rewarm_steps
-        # A sponsored peer (peerd/sponsored.py) keeps its own weights on top of the state it adopts: its moments fit.
-        if steps > 0 and (jump >= 2 or why == "fork" or stale) and why != "sponsored":
+        if steps > 0 and reason:
             rewarm(self.opt, self.sched, steps)
             self.rewarms += 1
-            log.info(
-                "re-warming the inner optimizer over %d steps (fresh AdamW moments): adopted a state %s",
-                steps,
-                "that diverged from ours"
-                if why == "fork"
-                else f"{jump} outer steps ahead of ours" + (" (our moments are from a checkpoint)" if stale else ""),
-            )
+            log.info("re-warming the inner optimizer over %d steps (fresh AdamW moments): adopted a state %s", steps,
+                     reason)  # fmt: skip
 
     def heal(self) -> bool:
         """If a live peer's state outranks ours, adopt it: the split-brain rule, also catching up when behind.

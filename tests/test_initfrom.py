@@ -194,3 +194,19 @@ def test_hf_factory_without_the_extra_is_one_line() -> None:
         pytest.skip("transformers is installed: the missing-extra message cannot show")
     with pytest.raises(PluginError, match=r"needs transformers: pip install 'peerd\[hf\]'"):
         build_model("trainer.hf:causal_lm", {"config": "examples/hf/tiny-llama/config.json"})
+
+
+def test_a_one_step_jump_rewarms_only_moments_a_checkpoint_kept() -> None:
+    """One step ahead is an ordinary round for moments that trained on the step before; for moments a resumed
+    checkpoint kept while the swarm trained on, it is not (README, "Re-warmup")."""
+    from trainer.inner import rewarm_reason
+
+    assert rewarm_reason(1, "behind", moments_from_checkpoint=False) == ""
+    assert (
+        rewarm_reason(1, "start", moments_from_checkpoint=True)
+        == "1 outer steps ahead of ours (our moments are from a checkpoint)"
+    )
+    assert rewarm_reason(0, "start", moments_from_checkpoint=True) == ""  # our own step: nothing moved
+    assert rewarm_reason(2, "behind", moments_from_checkpoint=False) == "2 outer steps ahead of ours"
+    assert rewarm_reason(0, "fork", moments_from_checkpoint=False) == "that diverged from ours"
+    assert rewarm_reason(5, "sponsored", moments_from_checkpoint=True) == ""  # its own weights ride on top

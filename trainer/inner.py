@@ -128,3 +128,17 @@ def rewarm(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler
     for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base * fn(step)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def rewarm_reason(jump: int, why: str, moments_from_checkpoint: bool) -> str:
+    """Why adopting a state `jump` outer steps ahead of ours (for `why`: behind, fork, start, sponsored) leaves our
+    AdamW moments describing other weights, or "" when they still fit: one step ahead is an ordinary round for
+    moments that trained on the step before, not for moments a checkpoint kept while the swarm trained on. A
+    sponsored peer keeps its own weights on top of the state it adopts: its moments fit."""
+    if why == "sponsored":
+        return ""
+    if why == "fork":
+        return "that diverged from ours"
+    if jump >= 2 or (jump >= 1 and moments_from_checkpoint):
+        return f"{jump} outer steps ahead of ours" + (" (our moments are from a checkpoint)" if jump < 2 else "")
+    return ""
