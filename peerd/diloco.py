@@ -7,7 +7,7 @@ Uneven peers (`inner.window_s`): instead of exactly H steps, each peer trains fo
 its last round ended, so a slow peer takes fewer steps and nobody waits for it. Each contribution carries the tokens
 behind it and the round averages pseudo-gradients weighted by them (peerd/roundclient.py). A peer whose round went on
 without it keeps its work (`outer.late_work = "carry"`): it adopts the swarm's new state, re-applies its own pending
-pseudo-gradient on top, and contributes it in the next round, at one window's weight (its tokens per window).
+pseudo-gradient on top, and contributes it, with its tokens, in the next round.
 
 Slow links (`outer.slow_link = "sponsor"`): a peer the swarm flags slow for its link stops joining rounds and sends
 its work through a sponsor (peerd/sponsored.py); every peer also sponsors such peers, adding the work they sent to its
@@ -149,11 +149,7 @@ class DiLoCo(OuterAlgorithm):
         pseudo = pending
         if self.feedback is not None:
             pseudo = self.feedback.compensate("params", pseudo.cpu())
-        # One window's weight, as a sponsor's carried work has (peerd/sponsored.py): work k windows long (carried past
-        # a missed round, or kept over a failed one) already moves the weights about k times as far, so its k windows'
-        # tokens would count it k^2 times (at 64 peers a restarted peer's carried window went out at twice the others'
-        # weight, among other causes of a contribution 10.8x the owners' norm: README, Scale).
-        tokens = self.steps_pending * trainer.tokens_per_step // max(self.windows_pending, 1)
+        tokens = self.steps_pending * trainer.tokens_per_step
         # Slow-link peers' work that reached us: it rides in our contribution, each part at its own weight
         taken = self.sponsoring.take(step, float(torch.linalg.vector_norm(pending)))
         pseudo, tokens = combine(pseudo, tokens, taken)

@@ -78,7 +78,6 @@ def test_diloco_failed_round_changes_nothing_and_retries_with_more_progress(tmp_
     done = [trainer.inner_step() for _ in range(3)][-1]
     assert done is not None and done.step == 1 and swarm.calls == [(0, -1), (0, -1)]
     assert torch.allclose(trainer.algorithm.global_params, nesterov_once(g0, torch.full_like(g0, -0.06)), atol=1e-6)
-    assert swarm.tokens == [300, 300]  # the retry's two windows of work count at one window's weight
 
 
 def test_diloco_behind_the_swarm_discards_its_work_when_asked(tmp_path: Path) -> None:
@@ -189,7 +188,7 @@ def test_diloco_windowed_overlap_keeps_the_swarm_clock_and_meets_the_median_memb
 
 def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -> None:
     """The straggler adopts the swarm's state, keeps its pseudo-gradient on top of it, and contributes it in the
-    next round at one window's weight: two windows of work already move the weights twice as far."""
+    next round with the tokens of every inner step behind it."""
     swarm = FakeSwarm(behind={(0, -1): 5})
     trainer = setup(tmp_path, "diloco", swarm)
     served = {
@@ -204,7 +203,7 @@ def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -
     [trainer.inner_step() for _ in range(3)]
     assert swarm.calls[-1] == (5, -1)
     assert torch.allclose(swarm.vectors[-1], torch.full((trainer.layout.numel,), -0.06))  # 6 steps of work
-    assert swarm.tokens == [300, 300]  # tokens per window: 600 would count the carried window twice over
+    assert swarm.tokens == [300, 600]  # every step's tokens go with it
 
 
 def test_diloco_carries_one_window_of_work_at_most(tmp_path: Path) -> None:
