@@ -63,24 +63,26 @@ def relay_stream(
 ) -> Iterator[pb.TensorMessage]:
     """A Reduce stream that hands `held` to a fallback: our own signed, empty RELAY tensor (so the service knows
     whose stream it is and which round and shard it is for), then the source's parts exactly as it signed them."""
+    yield from _own_empty("relay", round_id, shard, identity, run_id, chunk_bytes, to_incarnation)
+    yield from pull_reply(held, chunk_bytes)
+
+
+def _own_empty(
+    kind: str, round_id: bytes, shard: int, identity: Identity, run_id: bytes, chunk_bytes: int, to_incarnation: int
+) -> Iterator[pb.TensorMessage]:
+    """Our own signed, empty tensor of `kind` naming the round, the shard and the process it is for."""
     header = pb.TensorHeader(
-        round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire("relay"), to_incarnation=to_incarnation
+        round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire(kind), to_incarnation=to_incarnation
     )
     msgs, _ = part_messages(header, b"", identity, run_id, chunk_bytes, b"")
     yield from msgs
-    for rx in held.parts:
-        yield from relayed_messages(rx, chunk_bytes)
 
 
 def pull_request(
     round_id: bytes, shard: int, identity: Identity, run_id: bytes, chunk_bytes: int, to_incarnation: int = 0
 ) -> Iterator[pb.TensorMessage]:
     """A Reduce stream that asks a member for `shard`'s average: our own signed, empty PULL tensor."""
-    header = pb.TensorHeader(
-        round_id=round_id, shard=shard, part=0, numel=0, kind=kind_to_wire("pull"), to_incarnation=to_incarnation
-    )
-    msgs, _ = part_messages(header, b"", identity, run_id, chunk_bytes, b"")
-    yield from msgs
+    yield from _own_empty("pull", round_id, shard, identity, run_id, chunk_bytes, to_incarnation)
 
 
 def pull_reply(held: HeldShard | None, chunk_bytes: int) -> Iterator[pb.TensorMessage]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import grpc
 import torch
@@ -155,9 +155,7 @@ class Takeover:
             if pid in self._probed or pid in self.lost or (self.seen_gone is not None and self.seen_gone(pid)):
                 continue
             self._probed.add(pid)
-            task = asyncio.ensure_future(self._probe(shard, pid))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._probe(shard, pid))
 
     async def _probe(self, shard: int, pid: str) -> None:
         """A PULL for `shard` addressed to `pid`'s process in this round, its answer ignored: refused or reset (the
@@ -165,10 +163,7 @@ class Takeover:
         is none: a starved owner is alive, and taking its shard over would leave two fallbacks waiting on each other."""
         if self._stub_for is None:
             return
-        member = self.group.members[self.ids.index(pid)]
-        msgs = pull_request(self.group.round_id, shard, self.identity, self.run_id, self.chunk_bytes,
-                            member.incarnation)  # fmt: skip
-        call = self._stub_for(member).Reduce(msgs, timeout=PROBE_TIMEOUT_S)  # type: ignore[attr-defined]
+        member, call = self._pull_call(self._stub_for, shard, pid, PROBE_TIMEOUT_S)
         try:
             async for _ in call:
                 pass
@@ -192,9 +187,7 @@ class Takeover:
             if not self._done:
                 self._say_relayed(shard, held.source)
         else:  # members that finished with a live owner hold its average and will never come: ask them for it
-            task = asyncio.ensure_future(self._pull(shard, owner))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._pull(shard, owner))
         return owner
 
     async def _pull(self, shard: int, owner: ShardOwner) -> None:
@@ -207,10 +200,7 @@ class Takeover:
         """`pid`'s copy of `shard`'s average, signed by an owner before us in line; None if it holds none."""
         if self._stub_for is None or self._verifier is None:
             return None  # our own run() has not begun: nobody to dial with yet
-        member = self.group.members[self.ids.index(pid)]
-        msgs = pull_request(self.group.round_id, shard, self.identity, self.run_id, self.chunk_bytes,
-                            member.incarnation)  # fmt: skip
-        call = self._stub_for(member).Reduce(msgs, timeout=FALLBACK_GRACE_S)  # type: ignore[attr-defined]
+        _, call = self._pull_call(self._stub_for, shard, pid, FALLBACK_GRACE_S)
         try:
             return await read_relay(
                 call.__aiter__(), self._verifier, pid, round_id=self.group.round_id, shard=shard,
@@ -221,6 +211,19 @@ class Takeover:
             return None
         finally:
             call.cancel()
+
+    def _pull_call(self, stub_for: StubFor, shard: int, pid: str, timeout: float) -> tuple[pb.PeerInfo, object]:
+        """A PULL for `shard` addressed to `pid`'s process in this round: the member, and the open call."""
+        member = self.group.members[self.ids.index(pid)]
+        msgs = pull_request(self.group.round_id, shard, self.identity, self.run_id, self.chunk_bytes,
+                            member.incarnation)  # fmt: skip
+        return member, stub_for(member).Reduce(msgs, timeout=timeout)  # type: ignore[attr-defined]
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        """Run `coro` alongside the round, held in `_tasks` until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _next_in_line(self, shard: int, also_lost: set[str] | None = None) -> int | None:
         """The member that reduces `shard`: its owner, or else the next owner in member order not seen lost."""
@@ -236,9 +239,7 @@ class Takeover:
             self._relayed.add(j)
             nxt = self._next_in_line(j, {peer_id})
             if nxt is not None and nxt != self.member:  # ourselves: _take_over serves what we hold when asked
-                task = asyncio.ensure_future(self._relay(j, self.group.members[nxt], self._stub_for))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._relay(j, self.group.members[nxt], self._stub_for))
 
     async def _relay(self, j: int, to: pb.PeerInfo, stub_for: StubFor) -> None:
         msgs = relay_stream(
