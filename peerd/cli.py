@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 
 from peerd.allocator import tune_allocator
-from peerd.config import ConfigError, RunConfig, write_template
+from peerd.config import ConfigError, RunConfig
+from peerd.config_template import write_template
 from peerd.errors import UserError, report, unexpected
 
 

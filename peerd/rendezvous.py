@@ -417,3 +417,11 @@ def member_weight(group: pb.Group, peer_id: str) -> float:
     if index is None:
         return 1.0
     return tokens[index] * len(tokens) / sum(tokens)
+
+
+def included_tokens(group: pb.Group, included: list[str]) -> list[int]:
+    """Each included peer's weight in the round (its capped token claim), in `included` order; [] if unweighted."""
+    if len(group.tokens) != len(group.members):
+        return []
+    by_peer = {m.peer_id: t for m, t in zip(group.members, group.tokens, strict=True)}
+    return [by_peer.get(pid, 0) for pid in included]

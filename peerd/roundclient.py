@@ -28,7 +28,7 @@ from peerd.envelope import sign
 from peerd.group_delta import DeltaError, LeaderLists, MemberList
 from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
-from peerd.rendezvous import Behind, member_weight
+from peerd.rendezvous import Behind, included_tokens, member_weight
 from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
 
@@ -591,11 +591,3 @@ class RoundClient:
             (log.warning if included <= 1 else log.info)(line)
         if self.d.metrics is not None:
             self.d.metrics.alone.set(1 if self.d.alone.alone_since is not None else 0)
-
-
-def included_tokens(group: pb.Group, included: list[str]) -> list[int]:
-    """Each included peer's weight in the round (its capped token claim), in `included` order; [] if unweighted."""
-    if len(group.tokens) != len(group.members):
-        return []
-    by_peer = {m.peer_id: t for m, t in zip(group.members, group.tokens, strict=True)}
-    return [by_peer.get(pid, 0) for pid in included]

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from peerd.config import TEMPLATE, ConfigError, RunConfig, spec_differences, write_template
+from peerd.config import ConfigError, RunConfig, spec_differences
+from peerd.config_template import TEMPLATE, write_template
 
 
 def test_template_parses_to_the_defaults(tmp_path: Path) -> None:
