@@ -165,7 +165,7 @@ class ReduceRound(Takeover):
         self._stub_for: StubFor | None = None
         self._verifier: Verifier | None = None
         self._said: set[int] = set()  # shards whose relayed average we said we serve
-        self._probed: set[str] = set()
+        self._probed: dict[str, str] = {}
         self._probed_gone: set[str] = set()
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None

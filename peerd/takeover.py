@@ -64,7 +64,7 @@ class Takeover:
     average: torch.Tensor | None
     seen_gone: Callable[[str], bool] | None
     on_unreachable: Callable[[str, str], None] | None
-    _probed: set[str]  # owners we probed in this round (`_probe`)
+    _probed: dict[str, str]  # owners we probed in this round, and what the probe found so far (`_probe`)
     _probed_gone: set[str]  # those whose process did not answer for it
     _said: set[int]
     _relayed: set[int]
@@ -132,7 +132,8 @@ class Takeover:
         if self.seen_gone is not None:
             gone |= {p for p in self._line_before(shard) if self.seen_gone(p)}
         if self._next_in_line(shard, gone) != self.member:
-            raise RoundFailed(f"this peer is not next in line for shard {shard} (it has not seen the owners lost)")
+            why = f"it has not seen the owners lost{self._probes(shard)}"
+            raise RoundFailed(f"this peer is not next in line for shard {shard} ({why})")
         return self._take_over(shard)
 
     async def wait_owner(self, shard: int, sender: str) -> ShardOwner:
@@ -154,8 +155,14 @@ class Takeover:
         for pid in self._line_before(shard)[1:]:
             if pid in self._probed or pid in self.lost or (self.seen_gone is not None and self.seen_gone(pid)):
                 continue
-            self._probed.add(pid)
+            self._probed[pid] = "no answer yet"
             self._spawn(self._probe(shard, pid))
+
+    def _probes(self, shard: int) -> str:
+        """What our probes of the owners between `shard`'s and us found, for a refusal: it tells a starved owner (an
+        answer, a slow one) from a fallback that could not probe at all (its own round had not begun)."""
+        found = [f"{pid[:8]} {self._probed[pid]}" for pid in self._line_before(shard)[1:] if pid in self._probed]
+        return f"; probed: {', '.join(found)}" if found else ""
 
     async def _probe(self, shard: int, pid: str) -> None:
         """A PULL for `shard` addressed to `pid`'s process in this round, its answer ignored: refused or reset (the
@@ -164,10 +171,13 @@ class Takeover:
         if self._stub_for is None:
             return
         member, call = self._pull_call(self._stub_for, shard, pid, PROBE_TIMEOUT_S)
+        t0 = time.monotonic()
         try:
             async for _ in call:
                 pass
+            self._probed[pid] = f"answered in {time.monotonic() - t0:.1f} s"
         except grpc.aio.AioRpcError as exc:
+            self._probed[pid] = f"{exc.code().name} after {time.monotonic() - t0:.1f} s"
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
                 self._probed_gone.add(pid)
                 log.info("shard %d: %s, before us in line, is gone (%s): taking the shard over",

@@ -114,5 +114,7 @@ def test_an_owner_between_that_answers_the_probe_is_alive_and_the_takeover_is_re
         with pytest.raises(RoundFailed, match="not next in line for shard 0"):
             await asyncio.wait_for(rnd.wait_owner(0, ids[3]), 5)
         assert dialled == [ids[1]] and 0 not in rnd.owned  # probed once, not on every retry of the check
+        with pytest.raises(RoundFailed, match=rf"probed: {ids[1][:8]} answered in \d+\.\d s"):
+            rnd.owner_for(0, ids[3])  # the refusal says what the probe found
 
     asyncio.run(main())
