@@ -75,6 +75,9 @@ class Trainer(Protocol):
     def add_idle(self, seconds: float) -> None:
         """Time the trainer spent blocked on communication."""
 
+    def inner_note(self) -> str:
+        """The inner optimizer's state in a few words, for a log line about an unusual contribution."""
+
     def heal(self) -> bool:
         """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed."""
 

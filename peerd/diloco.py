@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ import torch
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer, feedback_for
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
+from peerd.robust import rms
 from peerd.sponsor import combine
 from peerd.sponsored import SponsoredPeer
 from peerd.statesync import state_digest
@@ -50,6 +53,7 @@ from trainer.outer import NesterovOuter
 log = logging.getLogger("peerd")
 # A contribution covers at most this many windows of work: one missed round (carried), plus the window in progress.
 MAX_PENDING_WINDOWS = 2
+UNUSUAL_SIZE = 3.0  # a contribution this many times our recent applied ones' RMS is logged with what sized it
 
 
 @dataclass
@@ -93,6 +97,8 @@ class DiLoCo(OuterAlgorithm):
         self.owed = False  # a boundary came while a round was in flight: the next inner step starts its round
         self.overlapped_steps = 0  # inner steps trained while a round ran (what overlap saved us waiting)
         self.trainer = trainer  # close() takes an unlanded guess back out before the worker checkpoints the model
+        self.sent_rms = 0.0  # our last contribution's RMS (`_note_size`)
+        self.applied_rms: deque[float] = deque(maxlen=8)  # those of our recent applied ones
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -146,6 +152,7 @@ class DiLoCo(OuterAlgorithm):
             self._keep_or_drop(trainer, pending)
             return None
         step = trainer.outer_step
+        self._note_size(trainer, step, pending)
         pseudo = pending
         if self.feedback is not None:
             pseudo = self.feedback.compensate("params", pseudo.cpu())
@@ -228,12 +235,26 @@ class DiLoCo(OuterAlgorithm):
                 "joined round %d %+.2f s from the median member: next boundary moved %+.2f s", step, shift, -shift
             )
         self.work += len(set(result.included))
+        self.applied_rms.append(self.sent_rms)
         self.steps_pending -= fl.steps
         self.windows_pending = 0
         self.carried_in_a_row = 0
         if not self.overlap:
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
+
+    def _note_size(self, trainer: Trainer, step: int, pending: torch.Tensor) -> None:
+        """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen
+        (robust.max_norm_ratio) refuses one 10x theirs, and at 64 peers under churn honest peers' retries and carries
+        were refused so, for a cause not yet traced (README, "Scale")."""
+        self.sent_rms = rms(pending)
+        usual = statistics.median(self.applied_rms) if len(self.applied_rms) >= 3 else 0.0
+        if usual > 0 and self.sent_rms > UNUSUAL_SIZE * usual:
+            log.info(
+                "step %d: our contribution's RMS %.3g is %.1fx our recent ones' (%d inner steps over %d windows, "
+                "%d carried in a row; %s)", step, self.sent_rms, self.sent_rms / usual, self.steps_pending,
+                self.windows_pending, self.carried_in_a_row, trainer.inner_note(),
+            )  # fmt: skip
 
     def _unguess(self, trainer: Trainer, fl: _Flight) -> None:
         """The round did not land: take the guess back out of our weights, keeping the steps trained since, so our

@@ -36,7 +36,7 @@ from trainer.checkpoint import CheckpointWriteError, load_checkpoint, save_check
 from trainer.data import TokenData
 from trainer.flat import ParamLayout
 from trainer.initfrom import InitError, load_init
-from trainer.inner import make_inner_optimizer, rewarm, rewarm_reason
+from trainer.inner import make_inner_optimizer, optimizer_note, rewarm, rewarm_reason
 from trainer.model import GPT, ModelConfig
 from trainer.plugin import build_model, load_factory
 from trainer.ranks import STOP, SYNC, TRAIN, LocalRanks, RanksError, params_digest, rank_seed
@@ -181,6 +181,9 @@ class Worker:
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
     def set_state(self, state: str) -> None:
         self.daemon.status.state = state
+
+    def inner_note(self) -> str:
+        return optimizer_note(self.opt)
 
     def add_idle(self, seconds: float) -> None:
         """Time the trainer spent blocked on communication."""

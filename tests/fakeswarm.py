@@ -235,6 +235,9 @@ class FakeTrainer:
     def add_idle(self, seconds: float) -> None:
         self.idle += seconds
 
+    def inner_note(self) -> str:
+        return "no optimizer (a fake trainer)"
+
     def heal(self) -> bool:
         best = self.swarm.canonical()
         return best is not None and self.resync(-1)

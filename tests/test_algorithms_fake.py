@@ -80,6 +80,23 @@ def test_diloco_failed_round_changes_nothing_and_retries_with_more_progress(tmp_
     assert torch.allclose(trainer.algorithm.global_params, nesterov_once(g0, torch.full_like(g0, -0.06)), atol=1e-6)
 
 
+def test_diloco_logs_a_contribution_far_larger_than_its_recent_applied_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owners' norm screen refuses a contribution 10x theirs: the sender's log says how its size came about."""
+    trainer = setup(tmp_path, "diloco", FakeSwarm())
+    for _ in range(9):  # three applied rounds of three 0.01 steps
+        trainer.inner_step()
+    with caplog.at_level("INFO", logger="peerd"):
+        for delta in (0.01, 0.01, 0.01):
+            trainer.inner_step(delta)
+        assert "RMS" not in caplog.text  # the usual size
+        for delta in (0.01, 0.01, 0.2):
+            trainer.inner_step(delta)
+    assert "step 4: our contribution's RMS" in caplog.text and "3 inner steps over 1 windows" in caplog.text
+    assert "no optimizer (a fake trainer)" in caplog.text
+
+
 def test_diloco_behind_the_swarm_discards_its_work_when_asked(tmp_path: Path) -> None:
     swarm = FakeSwarm(behind={(0, -1): 5})
     trainer = setup(tmp_path, "diloco", swarm, outer={"late_work": "discard"})

@@ -142,3 +142,12 @@ def rewarm_reason(jump: int, why: str, moments_from_checkpoint: bool) -> str:
     if jump >= 2 or (jump >= 1 and moments_from_checkpoint):
         return f"{jump} outer steps ahead of ours" + (" (our moments are from a checkpoint)" if jump < 2 else "")
     return ""
+
+
+def optimizer_note(optimizer: torch.optim.Optimizer) -> str:
+    """AdamW's steps since its moments were fresh and its lr now, in a few words: what sets the size of the next
+    pseudo-gradient (fresh moments take sign-sized steps; a re-warm ramps the lr back up)."""
+    group = optimizer.param_groups[0]
+    state = optimizer.state.get(group["params"][0], {})
+    steps = int(state["step"]) if "step" in state else 0
+    return f"AdamW {steps} steps since fresh moments, lr {group['lr']:.3g}"
