@@ -201,8 +201,9 @@ class Swarm:
         boot = self.boot_address(0)
         for i in range(1, self.n):
             self.peers.append(self.spawn(i, boot, wait_peers=wait, env=self.env))
+        # every peer imports torch at once: on 2 cores 64 daemons take over a minute to listen (bench.scale)
         for p in self.peers:
-            p.wait_file("address")
+            p.wait_file("address", max(60.0, 2.0 * self.n))
         return self
 
     def add_peer(self, bootstrap_index: int = 0, **kw: Any) -> Peer:
@@ -238,7 +239,11 @@ class Swarm:
                 p.proc.kill()
 
     def __enter__(self) -> Swarm:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a peer that never came up must not leave the others running (orphans slow all else)
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
