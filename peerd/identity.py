@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -12,6 +13,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 KEY_FILE = "identity.key"
+# Gossip checks every entry it merges: at 64 peers that is dozens of ids and keys a second per daemon, the same few
+# dozen over and over. Parsing each key anew was 1% of a daemon's CPU (py-spy, bench.scale 64 peers): keep them.
+KNOWN_KEYS = 4096
 
 
 class IdentityError(ValueError):
@@ -22,7 +26,17 @@ def peer_id_of(public_key: bytes) -> str:
     """Peer ids are the first 16 bytes of SHA-256 of the raw public key, in hex: short, and bound to the key."""
     if len(public_key) != 32:
         raise IdentityError("an Ed25519 public key is 32 bytes")
+    return _peer_id(bytes(public_key))
+
+
+@functools.lru_cache(maxsize=KNOWN_KEYS)
+def _peer_id(public_key: bytes) -> str:
     return hashlib.sha256(public_key).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=KNOWN_KEYS)
+def _public_key(public_key: bytes) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(public_key)  # raises ValueError on a bad key: never cached
 
 
 class Identity:
@@ -82,7 +96,7 @@ def verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     if len(public_key) != 32 or len(signature) != 64:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        _public_key(bytes(public_key)).verify(signature, data)
     except (InvalidSignature, ValueError):
         return False
     return True

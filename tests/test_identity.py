@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from peerd.envelope import AuthError, Verifier, sign
-from peerd.identity import Identity, IdentityError, peer_id_of
+from peerd.identity import Identity, IdentityError, peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
 RUN = b"r" * 32
@@ -81,3 +81,14 @@ def test_stale_timestamp_is_refused() -> None:
     with pytest.raises(AuthError) as err:
         v.verify("Gossip", msg)
     assert err.value.reason == "stale"
+
+
+def test_kept_keys_still_judge_every_signature_on_its_own() -> None:
+    """Keys and ids are kept between checks (gossip checks the same few dozen all the time): a key seen before must
+    still refuse data it did not sign, and another key's signature."""
+    a, b = Identity.generate(), Identity.generate()
+    for _ in range(2):  # the second pass hits the kept key objects
+        assert verify(a.public_key, a.sign(b"x"), b"x")
+        assert not verify(a.public_key, a.sign(b"x"), b"y")
+        assert not verify(a.public_key, b.sign(b"x"), b"x")
+        assert peer_id_of(a.public_key) == a.peer_id and peer_id_of(bytearray(b.public_key)) == b.peer_id
