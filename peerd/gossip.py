@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from peerd.daemon import Daemon
 
 log = logging.getLogger("peerd")
+STALL_S = 0.1  # a loop wait this much later than due counts as our own stall (`Gossip._forgive_stall`)
 
 
 class JoinError(RuntimeError):
@@ -44,6 +45,7 @@ class Gossip:
         self._said_lost: set[str] = set()  # peers we logged lost and not yet live again
         self._remembered: tuple[tuple[str, str], ...] = ()  # what peercache holds now
         self._inflight: dict[str, asyncio.Task] = {}  # peer id -> our gossip call to it still running
+        self.stalled_s = 0.0  # seconds our loop stalled, not counted towards peers' silence (`_forgive_stall`)
         net = daemon.cfg.network
         self.redialer = Redialer(
             lambda: [
@@ -163,7 +165,10 @@ class Gossip:
 
     async def _gossip_ticks(self, stopping: asyncio.Event, interval: float) -> None:
         while not stopping.is_set():
-            await asyncio.sleep(interval * random.uniform(0.7, 1.0))
+            nap = interval * random.uniform(0.7, 1.0)
+            t0 = time.monotonic()
+            await asyncio.sleep(nap)
+            self._forgive_stall(time.monotonic() - t0 - nap)
             self.d.membership.bump()
             self.d.checks.refresh_suspects()
             self.refresh_timing()
@@ -182,7 +187,9 @@ class Gossip:
                 # (up to its 2 s deadline) without holding the next tick. Waiting for every call made one
                 # unreachable target stretch each tick to 2 s, and a partition's own side then lost each other
                 # (heartbeats 2.2 s apart against a 2 s peer_timeout in tests/test_partition.py).
+                t0 = time.monotonic()
                 await asyncio.wait(calls, timeout=interval)
+                self._forgive_stall(time.monotonic() - t0 - interval)
             view = self.d.membership.snapshot()
             self._note_lost(view.alive)
             self._remember(view.alive)
@@ -191,6 +198,15 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _forgive_stall(self, late: float) -> None:
+        """A wait of this loop ended `late` seconds after it was due: our loop stalled, so nobody's silence grows by
+        that time (Membership.forgive). Lateness under STALL_S is ordinary scheduling noise."""
+        if late > STALL_S:
+            self.d.membership.forgive(late)
+            self.stalled_s += late
+            if self.d.metrics is not None:
+                self.d.metrics.loop_stall.inc(late)
 
     def _start(self, peer: pb.PeerInfo, mark: bool) -> asyncio.Task:
         """One gossip call as its own task, at most one in flight per peer (a slow one is not asked again meanwhile)."""

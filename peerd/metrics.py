@@ -194,6 +194,11 @@ class PeerMetrics:
             "1 while this peer takes outer steps with no other peer (a split, or everyone else gone).",
             registry=registry,
         )
+        self.loop_stall = Counter(
+            "peerd_loop_stall_seconds",
+            "Seconds this daemon's event loop ran late (starved or busy); not counted towards peers' silence.",
+            registry=registry,
+        )
         self.state_downloads = Counter(
             "peerd_state_downloads",
             "Times this peer adopted another peer's state, by why: behind, fork (lost the split-brain rule), start.",

@@ -43,6 +43,54 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
     assert m.merge([forged, _info(b"m" * 32, 99)], now=3.0) == []
 
 
+def test_our_own_stall_does_not_count_towards_anyone_s_silence() -> None:
+    """A starved observer hears nobody while its loop is stalled: that time is forgiven, never past now."""
+    m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+    a = _info(b"a" * 32, 3)
+    m.merge([a], now=0.0)
+    assert not m.is_alive(a.peer_id, now=6.0)
+    m.forgive(3.0, now=6.0)  # we were stalled for 3 of those 6 s
+    assert m.is_alive(a.peer_id, now=6.0) and m.silent_for(a.peer_id, now=6.0) == pytest.approx(3.0)
+    m.forgive(60.0, now=6.0)
+    assert m.silent_for(a.peer_id, now=6.0) == 0.0  # never heard "in the future"
+    m.mark_unreachable(a.peer_id, now=6.0)
+    m.forgive(1.0, now=6.5)
+    assert not m.is_alive(a.peer_id, now=6.5)  # a failed dial is evidence of its own
+
+
+def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
+    """The gossip loop measures how late its own waits end (an event loop blocked 1 s here, as a daemon among 64
+    on 2 cores is): a peer last heard just before the stall is still alive after it, past its 0.8 s timeout."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from peerd.gossip import Gossip
+
+    async def main() -> tuple[Gossip, Membership, str]:
+        m = Membership(_info(b"m" * 32, 1), peer_timeout=0.8, settle_s=0.0)
+        a = _info(b"a" * 32, 3, outbound_only=True)  # nobody dials it: only its silence counts
+        g = Gossip.__new__(Gossip)
+        g.d = SimpleNamespace(
+            membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
+            checks=SimpleNamespace(refresh_suspects=lambda: None),
+            reach=SimpleNamespace(dial_targets=lambda peers: [], tick=lambda peers: None),
+        )  # fmt: skip
+        g._inflight, g.stalled_s = {}, 0.0
+        g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+        stop = asyncio.Event()
+        ticks = asyncio.ensure_future(g._gossip_ticks(stop, 0.2))
+        await asyncio.sleep(0.3)
+        m.merge([a])
+        time.sleep(1.0)  # the loop stalls
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.wait_for(ticks, 2)
+        return g, m, a.peer_id
+
+    g, m, pid = asyncio.run(main())
+    assert g.stalled_s >= 0.8 and m.is_alive(pid)
+
+
 def test_a_new_incarnation_is_recorded_as_a_restart_once() -> None:
     """A peer restarted on its key keeps its id live; the new incarnation is the only sign its old process died."""
     m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
