@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -44,7 +45,6 @@ import torch
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer, feedback_for
 from peerd.allreduce import RoundFailed
 from peerd.rendezvous import Behind
-from peerd.robust import rms
 from peerd.sponsor import combine
 from peerd.sponsored import SponsoredPeer
 from peerd.statesync import state_digest
@@ -152,13 +152,14 @@ class DiLoCo(OuterAlgorithm):
             self._keep_or_drop(trainer, pending)
             return None
         step = trainer.outer_step
-        self._note_size(trainer, step, pending)
+        norm = float(torch.linalg.vector_norm(pending))  # one pass over the vector, for the size line and sponsoring
+        self._note_size(trainer, step, norm / math.sqrt(pending.numel()) if pending.numel() else 0.0)
         pseudo = pending
         if self.feedback is not None:
             pseudo = self.feedback.compensate("params", pseudo.cpu())
         tokens = self.steps_pending * trainer.tokens_per_step
         # Slow-link peers' work that reached us: it rides in our contribution, each part at its own weight
-        taken = self.sponsoring.take(step, float(torch.linalg.vector_norm(pending)))
+        taken = self.sponsoring.take(step, norm)
         pseudo, tokens = combine(pseudo, tokens, taken)
         args = {"want_decoded": self.feedback is not None, "tokens": tokens, "carries": [w.peer_id for w in taken]}
         if self.overlap and not 0 < trainer.cfg.run.outer_steps <= step + 1:
@@ -243,11 +244,11 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
 
-    def _note_size(self, trainer: Trainer, step: int, pending: torch.Tensor) -> None:
+    def _note_size(self, trainer: Trainer, step: int, sent_rms: float) -> None:
         """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen
         (robust.max_norm_ratio) refuses one 10x theirs, and at 64 peers under churn honest peers' retries and carries
         were refused so, for a cause not yet traced (README, "Scale")."""
-        self.sent_rms = rms(pending)
+        self.sent_rms = sent_rms
         usual = statistics.median(self.applied_rms) if len(self.applied_rms) >= 3 else 0.0
         if usual > 0 and self.sent_rms > UNUSUAL_SIZE * usual:
             log.info(
