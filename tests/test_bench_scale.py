@@ -1,0 +1,40 @@
+"""bench.scale's failure-detection reading of the peers' logs (the bench's own arithmetic, on written logs)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from bench.scale import detection
+
+
+def _at(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+
+def _serving(t: float, pid: str) -> str:
+    return f"{_at(t)} INFO peerd: peer {pid} serving run 39d3ecc4 on 127.0.0.1:1\n"
+
+
+def test_detection_counts_only_observers_whose_process_ran() -> None:
+    """Observer 1 logs the victim lost 5 s after its kill; observer 2 was itself killed just before and serves
+    again only after the window (it had nothing to detect with, so it is neither a detection nor silent); observer
+    3 runs throughout and never says anything (silent past twice the timeout); observer 4 dies mid-window without
+    a word (not counted either)."""
+    t = 1_800_000_000.0
+    victim, o1, o2, o3, o4 = "aaaaaaaa", "11111111", "22222222", "33333333", "44444444"
+    kills = [(t + 100, o2), (t + 101, victim), (t + 120, o4)]
+    logs = {
+        0: _serving(t, victim) + _serving(t + 160, victim),
+        1: _serving(t, o1) + f"{_at(t + 106)} WARNING peerd: peer {victim} lost: silent for 15.0s (x)\n",
+        2: _serving(t, o2) + _serving(t + 170, o2) + f"{_at(t + 171)} WARNING peerd: peer {victim} lost: x\n",
+        3: _serving(t, o3),
+        4: _serving(t, o4),
+    }
+    got = detection(logs, kills, t + 300)
+    assert got["detections"] == 1 and got["detect_s_median"] == 5.0
+    # The victim's kill: observer 3 silent; observers 2 and 4 not counted. The kills of o2 and o4 are observed too,
+    # and nobody logs them: o2's by o1 and o3 (silent), not by the victim and o4 (dead before the window ended);
+    # o4's by o1 and o3 (silent), not by the victim and o2 (both dead then).
+    assert got["detect_missed"] == 1 + 2 + 2
+    assert got["observers_down"] == 2 + 2 + 2
+    assert got["detect_late"] == 0
