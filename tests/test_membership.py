@@ -91,6 +91,66 @@ def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
     assert g.stalled_s >= 0.8 and m.is_alive(pid)
 
 
+def test_a_probe_marks_a_refused_peer_at_once_and_a_frozen_one_never() -> None:
+    """A probe of an entry about to expire (`Membership.expiring`) that meets a refused connection (a killed
+    process's port: nothing listens) marks the peer unreachable then, instead of leaving it to the rest of its
+    silence, which a starved observer forgives for tens of seconds. A probe that only times out (a listener that
+    never answers: a frozen or starved peer) marks nothing; a re-dial of the dead marks nothing either."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from peerd.gossip import Gossip
+    from peerd.identity import Identity
+    from peerd.v1 import peerd_pb2_grpc as rpc
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused_at = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there now: a dial is refused
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # the kernel accepts, nobody answers: the call runs to its deadline
+    frozen_at = f"127.0.0.1:{frozen.getsockname()[1]}"
+
+    async def main() -> dict[str, bool]:
+        me = Identity.generate()
+        m = Membership(_info(me.public_key, 1), peer_timeout=10.0, settle_s=0.0)
+        peers = {
+            (what, mark): _info(bytes([i]) * 32, 5)
+            for i, (what, mark) in enumerate(
+                [(w, k) for w in ("refused", "frozen") for k in ("refused", "never")], start=1
+            )
+        }
+        for (what, _), info in peers.items():
+            info.address = refused_at if what == "refused" else frozen_at
+        m.merge(list(peers.values()))
+        channels = {}
+
+        def stub(address: str, peer: pb.PeerInfo | None = None) -> rpc.MembershipStub:
+            channels.setdefault(address, grpc.aio.insecure_channel(address))
+            return rpc.MembershipStub(channels[address])
+
+        g = Gossip.__new__(Gossip)
+        g.d = SimpleNamespace(
+            membership=m, identity=me, run_id=b"r" * 16, count_sent=lambda *a: None,
+            cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2, gossip_entries=8)),
+            channels=SimpleNamespace(membership=stub, connected=lambda address, peer=None: True),
+        )  # fmt: skip
+        oks = await asyncio.gather(*(g._gossip_one(info, mark) for (_, mark), info in peers.items()))
+        assert not any(oks)
+        for c in channels.values():
+            await c.close()
+        return {f"{what}/{mark}": m.is_alive(info.peer_id) for (what, mark), info in peers.items()}
+
+    try:
+        alive = asyncio.run(main())
+    finally:
+        frozen.close()
+    assert alive == {"refused/refused": False, "refused/never": True, "frozen/refused": True, "frozen/never": True}
+    # (a tick's own target, mark "down", is marked on either: tests/test_partition.py)
+
+
 def test_a_new_incarnation_is_recorded_as_a_restart_once() -> None:
     """A peer restarted on its key keeps its id live; the new incarnation is the only sign its old process died."""
     m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
