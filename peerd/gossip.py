@@ -338,7 +338,8 @@ class Gossip:
             else:
                 down = mark == "refused" and refused
             if exc.code() in UNREACHABLE and down:
-                self.d.membership.mark_unreachable(peer.peer_id, why=f"gossip {exc.code().name}")
+                kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
+                self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}")
             self.d.count_sent("gossip", 0, req.ByteSize())
             return False
         self.d.count_sent("gossip", 0, req.ByteSize())

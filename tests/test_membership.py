@@ -141,6 +141,8 @@ def test_a_probe_marks_a_refused_peer_at_once_and_a_frozen_one_never() -> None:
         assert not any(oks)
         for c in channels.values():
             await c.close()
+        refused = peers[("refused", "refused")].peer_id
+        assert m.unreachable_why(refused) == "probe UNAVAILABLE"  # the "lost" line says a probe found it
         return {f"{what}/{mark}": m.is_alive(info.peer_id) for (what, mark), info in peers.items()}
 
     try:
