@@ -241,6 +241,16 @@ def _uptimes(logs: dict[int, str], kills: list[tuple[float, str]]) -> dict[int, 
     return out
 
 
+def _how(line: str) -> str:
+    """What a "lost"/"restarted" line says found the peer: "silent", "restarted", or the call that failed."""
+    if " restarted: " in line:
+        return "restarted"
+    if " lost: silent " in line:
+        return "silent"
+    m = re.search(r"lost: unreachable \((\w+)", line)
+    return m[1] if m else "unreachable"
+
+
 def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -> dict[str, Any]:
     """Failure detection per kill: the seconds until each other peer logged the victim lost or restarted.
 
@@ -250,6 +260,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
     detect: list[float] = []
     half: list[float] = []  # per kill: seconds until half of the observers that counted the peer live had said so
     missed = down = 0
+    by: dict[str, int] = {}  # what told the observers: silence, a refused probe or gossip call, a round, a restart
     ids = {i: set(SERVING.findall(log)) for i, log in logs.items()}  # each log's own peer id
     lives = _uptimes(logs, kills)
     for k, (at, pid) in enumerate(kills):
@@ -268,7 +279,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
                 down += 1  # this observer was itself dead or restarting when the victim was killed
                 continue
             live = True  # whether this observer counted the peer live when it was killed (its own lines say)
-            said = None
+            said, how = None, ""
             for line in log.splitlines():
                 m = LOST.match(line)
                 if m and m[2] == pid and _ts(m[1]) < at:
@@ -276,7 +287,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
                 elif (b := BACK.match(line)) and b[2] == pid and _ts(b[1]) < at:
                     live = True
                 elif m and m[2] == pid and at <= _ts(m[1]) < end:  # not in the teardown after the window
-                    said = _ts(m[1])
+                    said, how = _ts(m[1]), _how(line)
                     break
             if not live:
                 continue  # one that had already counted it out (a false loss before) had nothing to detect
@@ -286,6 +297,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
             watching += 1
             if said is not None:
                 mine.append(said - at)
+                by[how] = by.get(how, 0) + 1
             elif end - at >= 2 * PEER_TIMEOUT:
                 missed += 1  # it counted the peer live, and said nothing for twice the timeout
         detect += mine
@@ -302,6 +314,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
         "detect_late": sum(1 for d in detect if d > 2 * PEER_TIMEOUT),
         "detect_missed": missed,
         "observers_down": down,
+        "detected_by": dict(sorted(by.items(), key=lambda kv: -kv[1])),
     }
 
 
@@ -339,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['detect_missed']} observers "
                 f"silent past 2x the timeout ({row['observers_down']} observers not running then, not counted) "
                 f"(timeout {row['peer_timeout']}), half the swarm knew after {row['half_detect_s_median']} s "
-                f"(worst kill {row['half_detect_s_max']} s), {row['false_losses']} live peers counted lost",
+                f"(worst kill {row['half_detect_s_max']} s), detected by {row['detected_by']}, "
+                f"{row['false_losses']} live peers counted lost",
                 flush=True,
             )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bench.scale import detection
+from bench.scale import _how, detection
 
 
 def _at(t: float) -> str:
@@ -38,3 +38,13 @@ def test_detection_counts_only_observers_whose_process_ran() -> None:
     assert got["detect_missed"] == 1 + 2 + 2
     assert got["observers_down"] == 2 + 2 + 2
     assert got["detect_late"] == 0
+    assert got["detected_by"] == {"silent": 1}
+
+
+def test_each_detection_is_put_down_to_what_found_it() -> None:
+    """The "lost" line's cause: a refused probe, a failed gossip call or round dial, silence, or a new process."""
+    line = "2026-11-27 22:09:33,994 WARNING peerd: peer 0aa207c5 lost: "
+    assert _how(line + "unreachable (probe UNAVAILABLE) (network.peer_timeout 15.0s)") == "probe"
+    assert _how(line + "unreachable (round dial failed) (network.peer_timeout 15.0s)") == "round"
+    assert _how(line + "silent for 16.1s (network.peer_timeout 15.0s)") == "silent"
+    assert _how("2026-11-27 22:09:33,994 WARNING peerd: peer 0aa207c5 restarted: a new process") == "restarted"
