@@ -15,13 +15,14 @@ Per swarm size, over a measurement window that starts once every peer is up:
   the codec and zstd) and before the codec (4 bytes per value: what the round design sends, whatever the data);
 - rendezvous B/round: rendezvous bytes each peer sends per completed round, the median peer's and the most any
   peer sent (the leader: it answers every member with the whole group);
-- detect s: with --churn K, one kill -9 of a random non-bootstrap peer every K seconds (restarted at once on its
-  data dir); the seconds from each kill until each other peer logs the peer as lost, or logs that a new process took
-  its id (median, 90th percentile and max over every observer that logged either), against `network.peer_timeout`;
-  and per kill, the seconds until half of the observers had (median and worst kill). Observers that counted the
-  peer live and said nothing for twice the timeout are counted as silent. Only observers whose own process ran from
-  the kill until they spoke count: with one kill per 10 s and restarts that take a minute at 64 peers, a tenth of
-  the peers are dead or restarting at any time. With --keep, kills.json lists the kills.
+- detect s: with --churn K, one kill -9 every K seconds of a random non-bootstrap peer that has joined the swarm (not
+  one still starting after its own last kill), restarted at once on its data dir; the seconds from each kill until
+  each other peer logs the peer as lost, or logs that a new process took its id (median, 90th percentile and max over
+  every observer that logged either), against `network.peer_timeout`; and per kill, the seconds until half of the
+  observers had (median and worst kill). Observers that counted the peer live and said nothing for twice the timeout
+  are counted as silent. Only observers whose own process ran from the kill until they spoke count: with one kill per
+  10 s and restarts that take minutes at 64 peers, a tenth or more of the peers are dead or restarting at any time.
+  With --keep, kills.json lists the kills.
 
 Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
 times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
@@ -50,6 +51,7 @@ LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/
 # restarted peer's gossip can reach it before the old process's silence or a failed dial does)
 LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) (lost|restarted): ")
 SERVING = re.compile(r"INFO peerd: peer (\w{8}) serving run ")
+JOINED = re.compile(r"INFO peerd: peer \w{8} joined run ")
 SERVING_AT = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) serving run ", re.M)
 BACK = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) (?:is live again|at \S+ answers again|joined from)")
 # a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
@@ -132,10 +134,16 @@ def run_size(
             before = {i: _scrape(u) for i, u in urls.items()}
             t0 = time.time()
             kills: list[tuple[float, str]] = []
+            started = dict.fromkeys(range(n), 1)  # processes started per peer (its log holds every one's lines)
             while time.time() - t0 < seconds:
                 time.sleep(min(churn or seconds, max(0.0, seconds - (time.time() - t0))))
-                if churn and time.time() - t0 < seconds - 1:
-                    victim = swarm.peers[rng.randrange(1, n)]
+                # the victim is a member of the swarm: not a process still starting after its own last kill (at 64
+                # peers restarts took 2-4 minutes here, and 41 of 154 kills in one run hit such a process, which the
+                # swarm had not seen yet and which then took longer still to start)
+                up = [p for p in swarm.peers[1:] if len(JOINED.findall(p.log())) >= started[p.index]]
+                if churn and up and time.time() - t0 < seconds - 1:
+                    victim = up[rng.randrange(len(up))]
+                    started[victim.index] += 1
                     pid = _peer_id(victim.log())
                     victim.kill()
                     kills.append((time.time(), pid))
