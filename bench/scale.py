@@ -138,7 +138,7 @@ def run_size(
             while time.time() - t0 < seconds:
                 time.sleep(min(churn or seconds, max(0.0, seconds - (time.time() - t0))))
                 # the victim is a member of the swarm: not a process still starting after its own last kill (at 64
-                # peers restarts took 2-4 minutes here, and 41 of 154 kills in one run hit such a process, which the
+                # peers restarts took 2-4 minutes here, and 28 of 154 kills in one run hit such a process, which the
                 # swarm had not seen yet and which then took longer still to start)
                 up = [p for p in swarm.peers[1:] if len(JOINED.findall(p.log())) >= started[p.index]]
                 if churn and up and time.time() - t0 < seconds - 1:
