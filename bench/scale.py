@@ -50,9 +50,8 @@ LINE = re.compile(r"^(\S+ \S+) INFO peerd: outer step (\d+) \| .*\| peers (\d+)/
 # an observer has detected a kill once it logs the peer lost, or logs that a new process took the peer's id (the
 # restarted peer's gossip can reach it before the old process's silence or a failed dial does)
 LOST = re.compile(r"^(\S+ \S+) WARNING peerd: peer (\w{8}) (lost|restarted): ")
-SERVING = re.compile(r"INFO peerd: peer (\w{8}) serving run ")
+SERVING = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) serving run ", re.M)  # a process of a peer is up
 JOINED = re.compile(r"INFO peerd: peer \w{8} joined run ")
-SERVING_AT = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) serving run ", re.M)
 BACK = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) (?:is live again|at \S+ answers again|joined from)")
 # a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
 FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: (?:round for step \d+ \(attempt \d+\)|outer step \d+) failed")
@@ -140,8 +139,8 @@ def run_size(
                 # the victim is a member of the swarm: not a process still starting after its own last kill (at 64
                 # peers restarts took 2-4 minutes here, and 28 of 154 kills in one run hit such a process, which the
                 # swarm had not seen yet and which then took longer still to start)
-                up = [p for p in swarm.peers[1:] if len(JOINED.findall(p.log())) >= started[p.index]]
-                if churn and up and time.time() - t0 < seconds - 1:
+                up = [p for p in swarm.peers[1:] if len(JOINED.findall(p.log())) >= started[p.index]] if churn else []
+                if up and time.time() - t0 < seconds - 1:
                     victim = up[rng.randrange(len(up))]
                     started[victim.index] += 1
                     pid = _peer_id(victim.log())
@@ -161,8 +160,8 @@ def run_size(
 
 
 def _peer_id(log: str) -> str:
-    m = re.search(r"INFO peerd: peer (\w{8}) serving run", log)
-    return m[1] if m else ""
+    m = SERVING.search(log)
+    return m[2] if m else ""
 
 
 def _report(
@@ -244,7 +243,7 @@ def _uptimes(logs: dict[int, str], kills: list[tuple[float, str]]) -> dict[int, 
     log holds every process it ran)."""
     out: dict[int, list[tuple[float, float]]] = {}
     for i, log in logs.items():
-        starts = [(_ts(m[1]), m[2]) for m in SERVING_AT.finditer(log)]
+        starts = [(_ts(m[1]), m[2]) for m in SERVING.finditer(log)]
         out[i] = [(s, min((t for t, p in kills if p == pid and t > s), default=float("inf"))) for s, pid in starts]
     return out
 
@@ -269,7 +268,7 @@ def detection(logs: dict[int, str], kills: list[tuple[float, str]], t1: float) -
     half: list[float] = []  # per kill: seconds until half of the observers that counted the peer live had said so
     missed = down = 0
     by: dict[str, int] = {}  # what told the observers: silence, a refused probe or gossip call, a round, a restart
-    ids = {i: set(SERVING.findall(log)) for i, log in logs.items()}  # each log's own peer id
+    ids = {i: {m[2] for m in SERVING.finditer(log)} for i, log in logs.items()}  # each log's own peer id
     lives = _uptimes(logs, kills)
     for k, (at, pid) in enumerate(kills):
         if not pid:
