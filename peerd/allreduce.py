@@ -236,6 +236,10 @@ class ReduceRound(Takeover):
     def failed(self) -> bool:
         return self._failed is not None
 
+    def open_to(self, peer_id: str) -> bool:
+        """In flight here, with `peer_id` still counted in: it could yet join (roundclient.lead_rendezvous)."""
+        return not self._done and not self.failed and peer_id in self.ids and peer_id not in self.lost | self.left
+
     def finished(self) -> None:
         """The round completed here: drop what only contributing needed; what we hold stays for relays."""
         self._done = True
@@ -493,8 +497,8 @@ class ReduceRound(Takeover):
                 raise OwnerLost(f"{pid[:8]} ended the stream while we were sending: {exc.details()}") from exc
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent nothing" in (exc.details() or ""):
                 raise StreamLate(f"our stream to {pid[:8]} was late: {exc.details()}") from exc
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # a new process took its id: the one in the round is gone
-                raise OwnerLost(f"{pid[:8]} restarted: {exc.details()}") from exc  # (the new one is reachable)
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # a new process took its id, or its rendezvous settled on
+                raise OwnerLost(f"{pid[:8]} is not in the round: {exc.details()}") from exc  # another round
             kind = OwnerLost if exc.code() == grpc.StatusCode.UNAVAILABLE else RoundFailed
             why = f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}"
             raise kind(why, {pid}, "peer_lost") from exc

@@ -175,6 +175,24 @@ GATHER_EXIT_ENV = "PEERD_FAULT_GATHER_EXIT_AFTER_PARTS"
 GATHER_EXIT = _ExitAfter(GATHER_EXIT_ENV, "averaged parts")
 
 
+class _ExitAfterAnswers(_ExitAfter):
+    """A round leader that exits after answering this many Rendezvous calls with a group, before answering the rest:
+    killed mid-rendezvous, it leaves some members in a round whose other owners never heard of it (seen at 64
+    peers). Its own join is no call and is not counted."""
+
+    async def answered(self) -> None:
+        if self.exit_after is None:
+            return
+        self.sent += 1
+        if self.sent > self.exit_after:
+            await asyncio.sleep(0.5)  # the answers let through reach their members first
+            self._exit()
+
+
+LEADER_EXIT_ENV = "PEERD_FAULT_LEADER_EXIT_AFTER_ANSWERS"
+LEADER_EXIT = _ExitAfterAnswers(LEADER_EXIT_ENV, "rendezvous answers")
+
+
 class _FromRound:
     """A fault that holds from the round with the 0-based index its environment variable names on (all rounds this
     process took part in counted, by round id), so the first rounds hold every member."""

@@ -29,6 +29,7 @@ from peerd.group_delta import DeltaError, LeaderLists, MemberList
 from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind, included_tokens, member_weight
+from peerd.round_registry import HELD_WAIT_S, RoundRegistry
 from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
 
@@ -55,8 +56,8 @@ class RoundClient:
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
-        self.rounds: dict[bytes, Any] = {}  # round id -> its ReduceRound, while in flight or lingering
-        self._round_events: dict[bytes, asyncio.Event] = {}  # streams that arrived before their round: wake them
+        self.registry = RoundRegistry(daemon.cfg.network.rendezvous_timeout + 10.0)
+        self.rounds = self.registry.rounds  # round id -> its ReduceRound, while in flight or lingering
         self._lingering: list[asyncio.Task] = []  # rounds' source watchers, oldest first (_watch_sources)
         self.self_evidence = ""  # why this peer itself looks slow in its last round (for the one-line diagnosis)
         # Peers that may not lead: the flagged members of our last completed round (its group's no_shards). Every
@@ -82,6 +83,9 @@ class RoundClient:
         # leading with a stale view of the others' steps, it expected only the requester, closed groups of one and
         # split the swarm around a join, seen in CI). The requester skips it and names it to the next candidate
         # (`declined`), which must not send it back: that ping-pong made two peers lead groups of one each.
+        named = self.registry.naming(request, info)
+        if named is not None:
+            return pb.RendezvousResponse(group=named)
         me = self.d.identity.peer_id
         lagging = request.step > self.d.status.outer_step + 1
         excluded = (set(request.suspects) | set(request.declined[:64])) - {me}
@@ -145,8 +149,14 @@ class RoundClient:
         timeout = 3 * self.d.cfg.network.rendezvous_timeout + 10.0
         patient_until = time.monotonic() + self.d.cfg.network.rendezvous_timeout
         hops = 0
+        waited = False  # for a held round's members, once
         while hops < 16:
             hops += 1
+            if target is None and gone:
+                # Our leader died mid-rendezvous: the round it formed with us may be streaming to us already, and
+                # its members hold the group (round_registry.py). Else we formed a second group for the step.
+                target = await self.registry.holder(self._held_round_member(tried), 0.0 if waited else HELD_WAIT_S)
+                waited = True
             if target is None:
                 # outbound-only peers never lead: nobody could dial them
                 first = self._first_leader([p for p in self.d.membership.settled() if p.peer_id not in tried])
@@ -238,18 +248,18 @@ class RoundClient:
             return resp
         raise RoundFailed("rendezvous did not settle on a leader")
 
-    async def wait_round(self, round_id: bytes) -> Any:
-        """A member may start streaming to us before our own rendezvous answer arrived: wait for it, briefly."""
-        rnd = self.rounds.get(round_id)
-        if rnd is not None:
-            return rnd
-        if len(self._round_events) > 256:
-            return None
-        ev = self._round_events.setdefault(round_id, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), self.d.cfg.network.rendezvous_timeout + 10.0)
-        self._round_events.pop(round_id, None)
-        return self.rounds.get(round_id)
+    async def wait_round(self, round_id: bytes, sender: str = "") -> Any:
+        """Our round `round_id` for a member's stream, held while our rendezvous may hand it to us (round_registry.py);
+        None: we are not in that round, and the member takes us for a lost owner."""
+        return await self.registry.wait(round_id, sender)
+
+    def _held_round_member(self, tried: set[str]) -> Callable[[str], pb.PeerInfo | None]:
+        def usable(pid: str) -> pb.PeerInfo | None:
+            info = self.d.membership.get(pid)
+            ok = pid not in tried and info is not None and self.d.membership.is_alive(pid) and dialable(info)
+            return info if ok else None
+
+        return usable
 
     async def _unless_silent(
         self,
@@ -331,10 +341,7 @@ class RoundClient:
 
     def register_round(self, round_id: bytes, rnd: Any) -> None:
         assert self.d.loop is not None
-        self.rounds[round_id] = rnd
-        ev = self._round_events.get(round_id)
-        if ev is not None:
-            ev.set()
+        self.registry.register(round_id, rnd)
         self.d.loop.call_later(self.d.cfg.network.round_timeout, self.rounds.pop, round_id, None)
 
     def stub_for(self, member: pb.PeerInfo) -> Any:
@@ -361,7 +368,8 @@ class RoundClient:
         t0 = time.perf_counter()
         for attempt in range(6):
             t_rv = time.perf_counter()
-            resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens, carries)
+            with self.registry.asking():  # held streams for rounds it does not hand us are answered after it
+                resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens, carries)
             if resp.WhichOneof("result") == "behind":
                 raise Behind(resp.behind)
             group = resp.group

@@ -210,6 +210,8 @@ class RoundsService(rpc.RoundsServicer):
                 context, "unknown_peer", grpc.StatusCode.FAILED_PRECONDITION, "Rendezvous: unknown peer; Join first"
             )
         resp = await self.rounds.lead_rendezvous(request, info)
+        if resp.WhichOneof("result") in ("group", "delta"):
+            await faults.LEADER_EXIT.answered()
         self.count_sent("rendezvous", 0, resp.ByteSize())  # the leader's answers: the group, to every member
         return resp
 
@@ -246,9 +248,9 @@ class RoundsService(rpc.RoundsServicer):
                 # sender moves the shard to its fallback at once, and learns we restarted).
                 await context.abort(grpc.StatusCode.NOT_FOUND, "Reduce: this peer restarted since the round formed")
             with self.checks.limits.stream(key), self.checks.limits.inflight(key, first.header.wire_bytes):
-                rnd = await self.rounds.wait_round(first.header.round_id)
-                if rnd is None:
-                    raise StreamError("unknown_round", "Reduce: no such round here")
+                rnd = await self.rounds.wait_round(first.header.round_id, sender)
+                if rnd is None:  # the member takes us for a lost owner: the shard moves to the next in line
+                    await context.abort(grpc.StatusCode.NOT_FOUND, "Reduce: this peer is not in that round")
                 h = first.header
                 async for msg in rnd.serve(
                     prepend(first, it), self.checks.verifier, sender, h.shard, kind_name(h.kind)

@@ -134,6 +134,9 @@ def test_a_stream_for_a_previous_process_is_answered_at_once(peer) -> None:
 
     err = stream(1)  # an incarnation no process of this peer ever had: the one the round knew is gone
     assert err.code() == grpc.StatusCode.NOT_FOUND and "restarted" in err.details(), err.details()
-    held = stream(0)  # unchecked (no incarnation named): held for the round, until the caller's deadline
-    assert held.code() == grpc.StatusCode.DEADLINE_EXCEEDED, held.details()
+    # Unchecked (no incarnation named): a peer with no rendezvous in flight (this one runs no rounds) can be in no
+    # group it does not know, so it says so at once too. One whose rendezvous is in flight holds the stream
+    # (tests/test_wait_round.py): its answer may come after a member's stream.
+    err = stream(0)
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "not in that round" in err.details(), err.details()
     _still_serving(peer)

@@ -236,3 +236,34 @@ def test_a_fallback_pulls_the_average_of_an_owner_that_only_looked_lost(tmp_path
         s = p.summary()
         assert s["outer_step"] == 3 and s["rounds_failed"] == 0, p.log_tail()
         assert len(s["rounds"][0]["expected"]) == n, s["rounds"][0]
+
+
+def test_a_leader_killed_mid_rendezvous_leaves_one_round_without_it(tmp_path: Path) -> None:
+    """The leader (lowest id) exits after answering some of its members' Rendezvous calls
+    (PEERD_FAULT_LEADER_EXIT_AFTER_ANSWERS): the answered members start a round whose other owners never got the
+    group. Those owners used to hold the members' streams until a deadline and then refuse them as an unknown round
+    (INVALID_ARGUMENT), which failed the round for every member that sent to them (41 members at 64 peers), while
+    the unanswered formed a group of their own for the same step. Now an unanswered owner asks a member of the round
+    it is held for, which hands it the dead leader's group: one round, of everyone but the dead leader, with no
+    failed attempt, and one model."""
+    n = 5
+    ids_in_order(tmp_path, n, descending=True)  # the last peer spawned, the injector's, has the lowest id: it leads
+    cfg = tiny_config(tmp_path, run__outer_steps=4)
+    # its first round's four answers go out (with the occasional re-ask), then two of the second round's four
+    victim, survivors = _run_with_a_dying_peer(tmp_path, n, cfg, {"PEERD_FAULT_LEADER_EXIT_AFTER_ANSWERS": str(n + 1)})
+    assert "fault injection: exiting after sending" in victim.log(), victim.log_tail()
+    victim_id = victim.log().split(" serving run ")[0].rsplit("peer ", 1)[1]  # "peer <id> serving run <run> on ..."
+    assert_identical_globals([p.data_dir for p in survivors])
+    logs = [p.log() for p in survivors]
+    assert not any("no such round here" in log for log in logs), [p.log_tail() for p in survivors]
+    assert any("asked for the round it is in" in log for log in logs), [p.log_tail() for p in survivors]
+    died_in = None
+    for p in survivors:
+        s = p.summary()
+        assert s["outer_step"] == 4 and s["rounds_failed"] == 0, p.log_tail()
+        partial = [r for r in s["rounds"] if len(r["included"]) < n]
+        assert partial and len(partial[0]["included"]) == n - 1, s["rounds"]
+        expected, included = ({p[:8] for p in partial[0][k]} for k in ("expected", "included"))
+        assert victim_id in expected and victim_id not in included, partial[0]  # the log shows 8 hex digits
+        died_in = partial[0]["step"] if died_in is None else died_in
+        assert partial[0]["step"] == died_in, s["rounds"]  # every survivor: the same round

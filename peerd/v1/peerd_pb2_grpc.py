@@ -396,7 +396,9 @@ class RoundsServicer:
         owner (a contribution broke off, was refused, or timed out), the owner
         ends every stream of the round with ABORTED and trailing metadata `peerd-suspects`: comma-separated peer ids it
         blames (peerd/allreduce.py suspects_metadata); members skip them in the retry, as another member's word, not as
-        proof. INVALID_ARGUMENT: this stream itself was malformed; PERMISSION_DENIED: the sender is banned or not admitted.
+        proof. INVALID_ARGUMENT: this stream itself was malformed; PERMISSION_DENIED: the sender is banned or not admitted;
+        NOT_FOUND: this process is not in that round (it restarted since the group formed, or its own rendezvous settled
+        without it): the member takes the owner for lost and moves the shard to the next in line.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
