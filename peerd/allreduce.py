@@ -237,7 +237,7 @@ class ReduceRound(Takeover):
         return self._failed is not None
 
     def open_to(self, peer_id: str) -> bool:
-        """In flight here, with `peer_id` still counted in: it could yet join (roundclient.lead_rendezvous)."""
+        """In flight here, with `peer_id` still counted in: it could yet join (round_registry.RoundRegistry.naming)."""
         return not self._done and not self.failed and peer_id in self.ids and peer_id not in self.lost | self.left
 
     def finished(self) -> None:

@@ -74,6 +74,9 @@ class RoundClient:
             # Only a step the swarm could be at closes earlier groups: one peer claiming step 10**9 must not make
             # every pending group resync (the median of live peers' gossiped steps cannot be moved by a minority).
             self.d.leader.on_ahead(request.step)
+        named = self.registry.naming(request, info)  # a round it is in already, whose leader died before answering it
+        if named is not None:
+            return pb.RendezvousResponse(group=named)
         # Lead unless a lower settled id exists that the requester does not suspect: after a failed round its
         # members skip the peer they blame, and redirecting them back to it made each lead a group of its own.
         # Any lower live peer, settled or not, takes the lead: requesters pick among settled peers, and a peer that
@@ -83,9 +86,6 @@ class RoundClient:
         # leading with a stale view of the others' steps, it expected only the requester, closed groups of one and
         # split the swarm around a join, seen in CI). The requester skips it and names it to the next candidate
         # (`declined`), which must not send it back: that ping-pong made two peers lead groups of one each.
-        named = self.registry.naming(request, info)
-        if named is not None:
-            return pb.RendezvousResponse(group=named)
         me = self.d.identity.peer_id
         lagging = request.step > self.d.status.outer_step + 1
         excluded = (set(request.suspects) | set(request.declined[:64])) - {me}
