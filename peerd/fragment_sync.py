@@ -155,6 +155,7 @@ class StreamingStats:
     rounds_applied: int = 0
     rounds_behind: int = 0  # left out of a round that others completed: triggers a resync
     rounds_failed: int = 0
+    rounds_dropped: int = 0  # still in flight when we replaced our state or shut down
     merges_on_time: int = 0
     merges_skipped: int = 0  # not done at s_start + tau (late_policy "skip"); done when the round landed
     merge_waits: int = 0  # late_policy "wait": times the trainer blocked at a merge point

@@ -439,7 +439,8 @@ class StreamingDiLoCo(OuterAlgorithm):
             raise StreamingError(f"state is missing {sorted(missing)}")
         self.state.load(tensors["params"], tensors["outer_momentum"])
         for ex in self.pending.values():  # rounds of the state we drop: their results no longer apply
-            ex.record.outcome = "dropped"
+            if not ex.resolved:
+                self._drop(ex)
         self.pending.clear()
         trainer.layout.unflatten_into(self.state.global_params, trainer.model)
         self._reloaded = True
@@ -455,9 +456,15 @@ class StreamingDiLoCo(OuterAlgorithm):
             if done:
                 self._resolve(ex)
             else:
-                ex.record.outcome = "dropped"
+                self._drop(ex)
         self.pending.clear()
         self.write_stats()
+
+    def _drop(self, ex: Exchange) -> None:
+        """A round we stopped waiting for (state replaced, or shutting down): counted, so that every round this
+        peer started is accounted for as applied, behind, failed or dropped."""
+        ex.record.outcome = "dropped"
+        self.stats.rounds_dropped += 1
 
     def write_stats(self) -> None:
         """streaming.json next to summary.json: counters plus one record per fragment round (atomic write)."""

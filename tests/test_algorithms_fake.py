@@ -339,6 +339,29 @@ def test_streaming_auto_tau_shrinks_when_rounds_are_fast(tmp_path: Path) -> None
     assert 1 <= trainer.algorithm.schedule.tau < trainer.algorithm.tau_max  # in-memory rounds take no time
 
 
+def test_streaming_counts_the_rounds_it_stops_waiting_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round still in flight when the peer downloads the state, or when it shuts down, is recorded as dropped and
+    counted, so that streaming.json accounts for every round started: applied, behind, failed or dropped."""
+    import peerd.streaming
+
+    monkeypatch.setattr(peerd.streaming, "_CLOSE_WAIT_S", 0.05)
+    swarm = FakeSwarm()
+    swarm.allreduce_async = lambda *a, **k: concurrent.futures.Future()  # rounds that never land
+    trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 4}, streaming={"fragments": 2, "tau": 1})
+    trainer.inner_step()
+    trainer.inner_step()  # s = 2: fragment 1's round starts, and stays in flight
+    swarm.state = StateSnapshot(3, trainer.algorithm.state_tensors(), work=9)
+    assert trainer.resync(-1)
+    assert trainer.algorithm.stats.rounds_dropped == 1
+    trainer.inner_step()
+    trainer.inner_step()  # s = 4 after the download's reposition: the next round starts, and stays in flight
+    started = trainer.algorithm.stats.syncs_started
+    trainer.algorithm.close()
+    stats = trainer.algorithm.stats
+    assert started == 2 and stats.rounds_dropped == 2
+    assert [r.outcome for r in stats.syncs] == ["dropped", "dropped"]
+
+
 def test_streaming_error_feedback_carries_what_the_codec_dropped(tmp_path: Path) -> None:
     from peerd.codecs import make_codec
 

@@ -449,10 +449,19 @@ def test_late_joiner_downloads_state_and_ends_identical(tmp_path: Path) -> None:
     dirs = [p.data_dir for p in swarm.peers]
     assert_identical_globals(dirs)
     assert late.summary()["outer_step"] == 8
+    # The joiner became a member: rounds averaged all three, at the joiner and at the first peers alike. It need
+    # not make every last round: on a loaded machine it starts near the end and may step slower than the others,
+    # and then a round goes on without it (honestly "behind", which makes it download at its boundary) rather than
+    # wait. Every round it was not in is counted as such (behind, failed, or dropped when it downloaded the state
+    # instead), never left pending.
     joined = stats_of(late.data_dir)
-    assert joined["syncs"] and joined["syncs"][-1]["included"] == 3, joined["syncs"][-3:]
-    for d in dirs[:2]:  # the first peers' last rounds averaged all three
-        assert stats_of(d)["syncs"][-1]["included"] == 3
+    rounds = [(r["fragment"], r["step"], r["included"], r["outcome"]) for r in joined["syncs"]]
+    assert any(r["outcome"] == "applied" and r["included"] == 3 for r in joined["syncs"]), rounds
+    missed = [r for r in joined["syncs"] if r["outcome"] != "applied"]
+    assert all(r["outcome"] in ("behind", "failed", "dropped") for r in missed), rounds
+    assert len(missed) == joined["rounds_behind"] + joined["rounds_failed"] + joined["rounds_dropped"], rounds
+    for d in dirs[:2]:
+        assert any(r["included"] == 3 for r in stats_of(d)["syncs"]), stats_of(d)["syncs"][-3:]
 
 
 @pytest.mark.slow
