@@ -34,6 +34,7 @@ class RoundRegistry:
         self.hold_s = hold_s  # how long a stream waits for its round at most
         self.rounds: dict[bytes, Any] = {}
         self._events: dict[bytes, asyncio.Event] = {}  # streams that arrived before their round: wake them
+        self._waiting: dict[bytes, int] = {}  # streams held per such round: its event goes with the last of them
         self._asking = 0  # our rendezvous calls in flight: only one of them can hand us a round we do not know yet
         self._held_by: dict[bytes, set[str]] = {}  # such a round -> members streaming to us for it (holding its group)
         self._new_holder = asyncio.Event()
@@ -63,13 +64,21 @@ class RoundRegistry:
         if rnd is not None or not self._asking or len(self._events) > MAX_HELD:
             return rnd
         ev = self._events.setdefault(round_id, asyncio.Event())
+        self._waiting[round_id] = self._waiting.get(round_id, 0) + 1
         if sender:
             self._held_by.setdefault(round_id, set()).add(sender)
             self._new_holder.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), self.hold_s)
-        self._events.pop(round_id, None)
-        self._held_by.pop(round_id, None)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), self.hold_s)
+        finally:
+            # Only the last stream held for this round forgets it: an earlier one leaving (its own deadline came
+            # first) must not orphan the others' event, which register() and asking() would then never set.
+            self._waiting[round_id] -= 1
+            if not self._waiting[round_id]:
+                del self._waiting[round_id]
+                self._events.pop(round_id, None)
+                self._held_by.pop(round_id, None)
         return self.rounds.get(round_id)
 
     async def holder(self, usable: Callable[[str], pb.PeerInfo | None], wait_s: float) -> pb.PeerInfo | None:

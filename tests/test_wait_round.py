@@ -48,3 +48,29 @@ def test_an_unknown_round_waits_only_while_a_rendezvous_of_ours_is_in_flight() -
         assert await asyncio.wait_for(rc.wait_round(b"b" * 32), 1.0) == "the round"
 
     asyncio.run(main())
+
+
+def test_a_stream_that_stops_waiting_leaves_the_others_for_the_same_round_waiting_on_it() -> None:
+    """Two members stream to us for the same unknown round. The first one's wait ends first (its deadline comes, or
+    its stream breaks): the second must still be woken as soon as the round registers, not at its own deadline, and
+    nothing is left behind (a leaked entry per broken stream would, after MAX_HELD of them, stop all holding)."""
+    from peerd.round_registry import RoundRegistry
+
+    async def main() -> None:
+        registry = RoundRegistry(hold_s=2.0)
+        with registry.asking():
+            first = asyncio.ensure_future(registry.wait(b"r" * 32, "m1"))
+            await asyncio.sleep(1.0)
+            second = asyncio.ensure_future(registry.wait(b"r" * 32, "m2"))
+            await asyncio.sleep(1.2)  # the first one's deadline has passed; the second has 0.8 s left
+            assert first.done() and await first is None and not second.done()
+            registry.register(b"r" * 32, "the round")
+            assert await asyncio.wait_for(second, 0.5) == "the round"
+            broken = asyncio.ensure_future(registry.wait(b"s" * 32, "m3"))
+            await asyncio.sleep(0.05)
+            broken.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await broken
+        assert not registry._events and not registry._held_by
+
+    asyncio.run(main())
