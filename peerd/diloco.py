@@ -99,12 +99,6 @@ class DiLoCo(OuterAlgorithm):
         self.trainer = trainer  # close() takes an unlanded guess back out before the worker checkpoints the model
         self.sent_rms = 0.0  # our last contribution's RMS (`_note_size`)
         self.applied_rms: deque[float] = deque(maxlen=8)  # those of our recent applied ones
-        # A leader said our step is done in the swarm (Behind) and nobody served the newer state yet (at 64 peers a
-        # round runs for a minute after its rendezvous closed): until then no round at our step can take our work
-        self.behind_step = -1
-        self.behind_until = 0.0
-        self.behind_skips = 0  # window ends since that answer that asked no round (the first one logs)
-        self.rounds_skipped = 0  # all such window ends, for the summary
 
     def _due(self, t: int) -> bool:
         if self.window_s > 0:
@@ -158,8 +152,6 @@ class DiLoCo(OuterAlgorithm):
             self._keep_or_drop(trainer, pending)
             return None
         step = trainer.outer_step
-        if self._waiting_for_state(step):
-            return None
         norm = float(torch.linalg.vector_norm(pending))  # one pass over the vector, for the size line and sponsoring
         self._note_size(trainer, step, norm / math.sqrt(pending.numel()) if pending.numel() else 0.0)
         pseudo = pending
@@ -206,8 +198,6 @@ class DiLoCo(OuterAlgorithm):
             # The leader saw the newer state before gossip brought it here: give gossip a moment rather than train
             # another window on a state already left behind (its work would then be two windows long: dropped).
             if not trainer.resync(-1, wait_s=2 * trainer.cfg.network.gossip_interval):
-                self.behind_step, self.behind_skips = exc.step, 0
-                self.behind_until = time.monotonic() + trainer.cfg.network.round_timeout
                 return None
             self._keep_or_drop(trainer, pending)
             return StepDone(trainer.outer_step)
@@ -280,23 +270,6 @@ class DiLoCo(OuterAlgorithm):
         """Our pseudo-gradient so far: the global state we started from minus where inner steps took us."""
         local = trainer.layout.flatten(trainer.model).detach().float()
         return self.global_params.to(local.device, non_blocking=True) - local
-
-    def _waiting_for_state(self, step: int) -> bool:
-        """Skip this window's round: a leader told us step `step` is done in the swarm, and the newer state has not
-        shown up yet. Asking again only hears "behind" again (200-500 times in each 64-peer run under churn), and a
-        round at our step that did take us would be a laggards' group off the swarm's line, with our work a window
-        longer each time (the suspected path of a contribution refused at 10x the owners' norm there). The work
-        stays pending (dropped after MAX_PENDING_WINDOWS, as when rounds fail); heal() adopts the state as soon as
-        gossip names it. For network.round_timeout at most, then we ask again (the peers that held it may be gone)."""
-        if step >= self.behind_step or time.monotonic() >= self.behind_until:
-            self.behind_step = -1
-            return False
-        if not self.behind_skips:
-            log.info("not asking for a round at step %d: the swarm is at %d; waiting for its state", step,
-                     self.behind_step)  # fmt: skip
-        self.behind_skips += 1
-        self.rounds_skipped += 1
-        return True
 
     def _keep_or_drop(self, trainer: Trainer, pending: torch.Tensor) -> None:
         """The swarm moved on without us and we adopted its state. "carry": put our pending pseudo-gradient back on

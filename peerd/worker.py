@@ -522,8 +522,6 @@ class Worker:
             # DiLoCo's uneven-peer accounting: inner steps whose work went into a later round, or was dropped
             "carried_steps": getattr(self.algorithm, "carried_steps", 0),
             "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),
-            # DiLoCo: window ends that asked no round, told "behind" and still waiting for the swarm's newer state
-            "rounds_skipped_behind": getattr(self.algorithm, "rounds_skipped", 0),
             # DiLoCo with outer.overlap: inner steps trained while a round ran (in the next round's work)
             "overlapped_steps": getattr(self.algorithm, "overlapped_steps", 0),
             # DiLoCo's slow-link accounting (peerd/sponsor.py): our uploads a sponsor's round included, and the

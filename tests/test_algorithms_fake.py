@@ -111,37 +111,6 @@ def test_diloco_behind_the_swarm_discards_its_work_when_asked(tmp_path: Path) ->
     assert trainer.algorithm.discarded_steps == 3 and trainer.algorithm.carried_steps == 0
 
 
-def test_diloco_told_behind_with_no_newer_state_yet_asks_no_round_until_it_has_one(tmp_path: Path) -> None:
-    """A leader says our step is done, but nobody serves the newer state yet (its round is still running). Our
-    next windows ask no round at the old step (each would hear "behind" again, or put our growing work into a
-    laggards' group); the state is adopted as soon as it shows, and after network.round_timeout we ask again."""
-    swarm = FakeSwarm(behind={(0, -1): 5})
-    trainer = setup(tmp_path, "diloco", swarm, network={"round_timeout": 0.5})
-    for _ in range(3):
-        trainer.inner_step()
-    assert swarm.calls == [(0, -1)] and trainer.adopted == []  # told "behind"; no state to download yet
-    for _ in range(3):
-        trainer.inner_step()
-    assert swarm.calls == [(0, -1)] and trainer.algorithm.rounds_skipped == 1  # the next window asked nothing
-    time.sleep(0.6)  # round_timeout later, still no state
-    for _ in range(6):  # a window that drops the work two windows long, then one that asks again
-        trainer.inner_step()
-    assert swarm.calls == [(0, -1), (0, -1)] and trainer.algorithm.discarded_steps == 9
-    served = {
-        "params": torch.linspace(-1, 1, trainer.layout.numel),
-        "outer_momentum": torch.zeros(trainer.layout.numel),
-    }
-    swarm.state = StateSnapshot(5, served, work=20)
-    swarm.best = Claim(work=20, step=5, digest=b"x", peer_id="p1")
-    for _ in range(3):
-        trainer.inner_step()
-    assert trainer.adopted == [(5, "behind")] and trainer.outer_step == 5
-    swarm.best = None
-    for _ in range(3):
-        trainer.inner_step()
-    assert swarm.calls[-1] == (5, -1)  # at the swarm's step: rounds again
-
-
 def test_diloco_overlap_lands_the_round_a_step_later_and_keeps_the_steps_trained_meanwhile(tmp_path: Path) -> None:
     """outer.overlap: the boundary starts the round and returns; the next inner step applies it. The global state is
     the synchronous one; our weights are the new global plus the one step trained while the round ran, and that
