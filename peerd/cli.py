@@ -316,7 +316,7 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
     from peerd.errors import Interrupted
     from peerd.gossip import JoinError
     from peerd.identity import Identity, IdentityError
-    from peerd.shutdown import DRAIN_S, Shutdown
+    from peerd.shutdown import DRAIN_S, Shutdown, guard_exit
     from peerd.worker import Worker
     from trainer.checkpoint import CheckpointError
 
@@ -413,6 +413,7 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
         daemon.stop(leave=True, drain=shutdown.drain_s(DRAIN_S))
         lock.release()
     log.info("stopped cleanly at outer step %d", daemon.status.outer_step)
+    guard_exit()
     return 0
 
 

@@ -28,6 +28,7 @@ DRAIN_S = 10.0  # at shutdown, how long streams in flight may take to finish (a 
 # Shorter than DRAIN_S: it comes first and no signal cuts it short, so GRACE_S + this + the daemon's drain must fit
 # within DEADLINE_S, and the trainer waits at most 10 s for the close (peerd/swarm.py).
 PAIR_DRAIN_S = 5.0
+EXIT_GUARD_S = 10.0  # after a clean stop, how long leftover non-daemon threads may hold the process before it exits
 
 
 class Shutdown:
@@ -85,3 +86,18 @@ class Shutdown:
         log.error("did not stop within %.0fs of the signal: exiting now (the last checkpoint is intact)", DEADLINE_S)
         logging.shutdown()
         os._exit(1)
+
+
+def guard_exit(seconds: float = EXIT_GUARD_S) -> None:
+    """Call once the daemon has stopped cleanly: the process then exits within `seconds` even if a thread it left
+    behind (a pool worker blocked in a call) would hold the interpreter's exit. Such a hang kept a sponsored peer
+    alive for minutes after "stopped cleanly" in CI; the log names the threads so the cause can be found."""
+
+    def guard() -> None:
+        time.sleep(seconds)
+        held = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        log.error("still running %.0fs after a clean stop, held by threads %s: exiting now", seconds, held)
+        logging.shutdown()
+        os._exit(0)
+
+    threading.Thread(target=guard, name="peerd-exit-guard", daemon=True).start()
