@@ -83,9 +83,14 @@ class Shutdown:
     def _deadline(self) -> None:
         assert self.signalled_at is not None
         time.sleep(max(DEADLINE_S - (time.monotonic() - self.signalled_at), 0.0))
-        log.error("did not stop within %.0fs of the signal: exiting now (the last checkpoint is intact)", DEADLINE_S)
-        logging.shutdown()
-        os._exit(1)
+        _exit_now(1, "did not stop within %.0fs of the signal: exiting now (the last checkpoint is intact)", DEADLINE_S)
+
+
+def _exit_now(code: int, message: str, *args: object) -> None:
+    """Log why, flush the log, and end the process at once: no thread, pool or atexit hook can hold it any more."""
+    log.error(message, *args)
+    logging.shutdown()
+    os._exit(code)
 
 
 def guard_exit(seconds: float = EXIT_GUARD_S) -> None:
@@ -96,8 +101,6 @@ def guard_exit(seconds: float = EXIT_GUARD_S) -> None:
     def guard() -> None:
         time.sleep(seconds)
         held = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
-        log.error("still running %.0fs after a clean stop, held by threads %s: exiting now", seconds, held)
-        logging.shutdown()
-        os._exit(0)
+        _exit_now(0, "still running %.0fs after a clean stop, held by threads %s: exiting now", seconds, held)
 
     threading.Thread(target=guard, name="peerd-exit-guard", daemon=True).start()
