@@ -419,6 +419,14 @@ def member_weight(group: pb.Group, peer_id: str) -> float:
     return tokens[index] * len(tokens) / sum(tokens)
 
 
+def group_weights(group: pb.Group) -> list[float] | None:
+    """Every member's weight, in member order, or None when the group is unweighted (all 1.0). An owner needs
+    them whenever any member scaled its vector, whatever its own weight is: with claims [32, 64, 96] the middle
+    member's own weight is exactly 1.0, yet its shard's subset means and its norm screen need the others'."""
+    weights = [member_weight(group, m.peer_id) for m in group.members]
+    return weights if any(w != 1.0 for w in weights) else None
+
+
 def included_tokens(group: pb.Group, included: list[str]) -> list[int]:
     """Each included peer's weight in the round (its capped token claim), in `included` order; [] if unweighted."""
     if len(group.tokens) != len(group.members):

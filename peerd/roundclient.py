@@ -28,7 +28,7 @@ from peerd.envelope import sign
 from peerd.group_delta import DeltaError, LeaderLists, MemberList
 from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
-from peerd.rendezvous import Behind, included_tokens, member_weight
+from peerd.rendezvous import Behind, group_weights, included_tokens, member_weight
 from peerd.round_registry import HELD_WAIT_S, RoundRegistry
 from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
@@ -406,7 +406,7 @@ class RoundClient:
                 guard=self.d.guard,
                 on_invalid=self.d.checks.invalid_contribution,
                 part_bytes=part_bytes,
-                weights=[member_weight(group, m.peer_id) for m in group.members] if weight != 1.0 else None,
+                weights=group_weights(group),
                 on_unreachable=self._unreachable_at,
                 seen_gone=lambda pid, inc=incarnations: self.d.membership.gone(pid, inc.get(pid, 0)),
             )

@@ -8,7 +8,7 @@ import asyncio
 from peerd.allreduce import SUSPECTS_KEY, RoundFailed, relayed_suspects, suspects_metadata
 from peerd.identity import peer_id_of
 from peerd.membership import Membership
-from peerd.rendezvous import RendezvousLeader
+from peerd.rendezvous import MAX_WEIGHT_RATIO, RendezvousLeader, capped_tokens, group_weights, member_weight
 from peerd.v1 import peerd_pb2 as pb
 
 
@@ -273,3 +273,14 @@ def test_the_leader_does_not_wait_for_a_sponsored_peer_and_names_whose_work_ride
         assert round_id(b"run", group) != bytes(got[0].group.round_id)
 
     asyncio.run(main())
+
+
+def test_every_owner_gets_the_groups_weights_even_when_its_own_is_one() -> None:
+    """Claims [32, 64, 96]: the middle member scales by exactly 1.0, but the group is weighted. Its shard must
+    still re-weight a subset's mean and judge norms by weight; before, it was handed no weights at all."""
+    group = pb.Group(members=[pb.PeerInfo(peer_id=p) for p in ("a", "b", "c")], tokens=[32, 64, 96])
+    assert member_weight(group, "b") == 1.0
+    assert group_weights(group) == [0.5, 1.0, 1.5]
+    even = pb.Group(members=group.members, tokens=[64, 64, 64])
+    assert group_weights(even) is None and group_weights(pb.Group(members=group.members)) is None
+    assert capped_tokens([1, 10, 1000]) == [1, 10, MAX_WEIGHT_RATIO * 10] and capped_tokens([5, 0]) == []
