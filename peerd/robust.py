@@ -89,21 +89,35 @@ class ContributionGuard:
             return False  # off, or nothing to judge by: the aggregation rule is the only defence left
         return not math.isfinite(value_rms) or value_rms > self.max_norm_ratio * reference
 
-    def screen(self, fragment: int, me: int, contribs: Sequence[torch.Tensor]) -> None:
+    def screen(
+        self, fragment: int, me: int, contribs: Sequence[torch.Tensor], weights: Sequence[float] | None = None
+    ) -> None:
         """Raise ContributionRejected naming every contribution whose norm is out of bounds; records our own."""
-        self.screen_norms(fragment, me, [rms(c) for c in contribs])
+        self.screen_norms(fragment, me, [rms(c) for c in contribs], weights)
 
-    def screen_norms(self, fragment: int, me: int, norms: Sequence[float]) -> None:
+    def screen_norms(
+        self, fragment: int, me: int, norms: Sequence[float], weights: Sequence[float] | None = None
+    ) -> None:
         """`screen` on the contributions' RMS norms alone: a pipelined round (peerd/allreduce.py) sums each
-        contribution's squares part by part as the parts arrive, and screens the whole before its last part leaves."""
+        contribution's squares part by part as the parts arrive, and screens the whole before its last part leaves.
+
+        `weights`: in a token-weighted group member i sent its pseudo-gradient times its weight w_i, and a peer
+        that did k x our work honestly has a larger pseudo-gradient too (seen: 38x the steps in a windowed run gave
+        10.5x the pseudo-gradient, and the weighted norms differed by 40x). So each norm is judged with its weight
+        divided out, and against our reference scaled by the work it claims beyond ours, max(1, w_i / w_me).
+        Claims count for at most rendezvous.MAX_WEIGHT_RATIO x the group's lower median, which bounds both."""
+        if weights is not None and weights[me] > 0:
+            mine = weights[me]
+            norms = [n / w / max(1.0, w / mine) if w > 0 else n for n, w in zip(norms, weights, strict=True)]
         own = norms[me]
         ref = max(self.reference(fragment, own), lower_median(norms) if len(norms) >= 3 else 0.0)
         self.record_own(fragment, own)
         bad = [i for i, n in enumerate(norms) if i != me and self.too_large(n, ref)]
         if bad:
             worst = max(norms[i] for i in bad)
+            per = " per claimed work" if weights is not None else ""
             raise ContributionRejected(
-                bad, f"contribution norm {worst:.3g} exceeds {self.max_norm_ratio:g} x this owner's {ref:.3g}"
+                bad, f"contribution norm{per} {worst:.3g} exceeds {self.max_norm_ratio:g} x this owner's {ref:.3g}"
             )
 
     def screen_replies(self, me: int, replies: Sequence[torch.Tensor]) -> list[int]:

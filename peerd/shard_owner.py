@@ -231,7 +231,7 @@ class ShardOwner:
                 for i in range(self.n)
             ]
             try:
-                ctx.guard.screen_norms(ctx.group.fragment, ctx.member, norms)
+                ctx.guard.screen_norms(ctx.group.fragment, ctx.member, norms, ctx.weights)
             except ContributionRejected as exc:
                 offenders = {ctx.ids[i] for i in exc.offenders}
                 for pid in offenders:

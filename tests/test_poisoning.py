@@ -69,6 +69,25 @@ def test_an_owner_with_a_tiny_update_does_not_refuse_honest_peers() -> None:
         guard.screen(7, 0, contribs)
 
 
+def test_weighted_contributions_are_judged_by_the_work_they_claim() -> None:
+    """Seen in a windowed 2-peer run: the fast peer did 38x the slow owner's steps (its claim capped to 4x, weights
+    0.4 and 1.6) and its pseudo-gradient was 10.5x the owner's; the weighted norms differed by 40x. Honest. The
+    same pseudo-gradient without the claimed work, or far more than the claim explains, is refused."""
+    g = torch.Generator().manual_seed(5)
+    slow, fast = torch.randn(1000, generator=g) * 0.01, torch.randn(1000, generator=g) * 0.15
+    weights = [0.4, 1.6]
+    sent = [slow * weights[0], fast * weights[1]]
+    with pytest.raises(ContributionRejected):  # what the weighted norms alone say
+        ContributionGuard(RobustSection(max_norm_ratio=10.0)).screen(0, 0, sent)
+    guard = ContributionGuard(RobustSection(max_norm_ratio=10.0))
+    guard.screen(0, 0, sent, weights)
+    assert guard.reference(0, 0.0) == pytest.approx(0.01, rel=0.1)  # our history holds our pseudo-gradient
+    for hostile, w in ((fast, [1.0, 1.0]), (fast * 4 * weights[1], weights)):
+        with pytest.raises(ContributionRejected) as err:
+            ContributionGuard(RobustSection(max_norm_ratio=10.0)).screen(0, 0, [slow * w[0], hostile * w[1]], w)
+        assert err.value.offenders == [1]
+
+
 def test_robust_aggregations() -> None:
     base = torch.arange(6, dtype=torch.float32)
     contribs = [base.clone(), base + 1, base + 2, base * 0 + 1e6]

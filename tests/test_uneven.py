@@ -191,3 +191,32 @@ def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) 
         assert slow_id in s["flagged_at_step"] and s["flagged_at_step"][slow_id] <= 3, s["flagged_at_step"]
         late = [r for r in s["rounds"] if r["step"] > s["flagged_at_step"][slow_id]]
         assert late and all(r["no_shards"] == [slow_id] for r in late), s["rounds"]
+
+
+def test_a_slow_owner_judges_a_fast_peers_work_by_its_pseudo_gradient_not_its_weight(tmp_path: Path) -> None:
+    """Two windowed peers, one 5x+ slower: each scales its vector by its token weight, so the fast peer's weighted
+    contribution is its larger pseudo-gradient times a larger weight, tens of times the slow owner's own. The
+    owner's norm screen divides each weight out (the claim is bounded by rendezvous.MAX_WEIGHT_RATIO): every
+    round completes with both, where screening the weighted norms refused the fast peer's honest work."""
+    cfg = tiny_config(tmp_path, run__outer_steps=4, inner__window_s=1.5, inner__steps=1000)
+    swarm = Swarm(tmp_path, 2, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=2))
+        swarm.peers.append(swarm.spawn(1, swarm.boot_address(0), wait_peers=2, env={"PEERD_FAULT_STEP_DELAY_S": "0.2"}))
+        for p in swarm.peers:
+            p.wait_file("address")
+        swarm.wait_exit(180)
+    finally:
+        swarm.stop()
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    for p in swarm.peers:
+        assert "refused contributions" not in p.log(), p.log_tail()
+    summaries = [p.summary() for p in swarm.peers]
+    slow_id = summaries[1]["peer_id"]
+    for s in summaries:
+        assert s["outer_step"] == 4 and s["finished"], s
+        both = [r for r in s["rounds"] if len(r["included"]) == 2]
+        assert len(both) == 4, s["rounds"]
+        for r in both:
+            tokens = dict(zip(r["included"], r["tokens"], strict=True))
+            assert 0 < 3 * tokens[slow_id] < max(tokens.values()), r
