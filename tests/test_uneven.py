@@ -17,19 +17,25 @@ pytestmark = pytest.mark.slow
 SLOW = {"PEERD_FAULT_STEP_DELAY_S": "0.08"}  # the tiny model's own step is ~20-40 ms here: 3x or more slower
 
 
-def test_windowed_rounds_weigh_a_slow_peer_by_its_tokens(tmp_path: Path) -> None:
-    cfg = tiny_config(tmp_path, run__outer_steps=4, inner__window_s=1.5, inner__steps=1000)
-    swarm = Swarm(tmp_path, 3, cfg)
-    try:  # started by hand: one peer gets the slow-compute injector
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=3))
+def run_with_a_slow_last_peer(tmp_path: Path, n: int, cfg: Path, env: dict[str, str]) -> Swarm:
+    """n peers started by hand, the last with the slow-compute injector `env`; returns the finished swarm."""
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n))
         boot = swarm.boot_address(0)
-        swarm.peers.append(swarm.spawn(1, boot, wait_peers=3))
-        swarm.peers.append(swarm.spawn(2, boot, wait_peers=3, env=SLOW))
+        for i in range(1, n):
+            swarm.peers.append(swarm.spawn(i, boot, wait_peers=n, env=env if i == n - 1 else None))
         for p in swarm.peers:
             p.wait_file("address")
         swarm.wait_exit(180)
     finally:
         swarm.stop()
+    return swarm
+
+
+def test_windowed_rounds_weigh_a_slow_peer_by_its_tokens(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, run__outer_steps=4, inner__window_s=1.5, inner__steps=1000)
+    swarm = run_with_a_slow_last_peer(tmp_path, 3, cfg, SLOW)
     dirs = [p.data_dir for p in swarm.peers]
     assert_identical_globals(dirs)
     summaries = [p.summary() for p in swarm.peers]
@@ -153,17 +159,7 @@ def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> No
         tmp_path, run__algorithm="streaming", run__outer_steps=3, inner__steps=8, inner__window_s=1.6,
         streaming__fragments=2, streaming__tau=2,
     )  # fmt: skip
-    swarm = Swarm(tmp_path, 3, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=3))
-        boot = swarm.boot_address(0)
-        swarm.peers.append(swarm.spawn(1, boot, wait_peers=3))
-        swarm.peers.append(swarm.spawn(2, boot, wait_peers=3, env=SLOW))
-        for p in swarm.peers:
-            p.wait_file("address")
-        swarm.wait_exit(180)
-    finally:
-        swarm.stop()
+    swarm = run_with_a_slow_last_peer(tmp_path, 3, cfg, SLOW)
     assert_identical_globals([p.data_dir for p in swarm.peers])
     summaries = [p.summary() for p in swarm.peers]
     slow_id = summaries[2]["peer_id"]
@@ -199,15 +195,7 @@ def test_a_slow_owner_judges_a_fast_peers_work_by_its_pseudo_gradient_not_its_we
     owner's norm screen divides each weight out (the claim is bounded by rendezvous.MAX_WEIGHT_RATIO): every
     round completes with both, where screening the weighted norms refused the fast peer's honest work."""
     cfg = tiny_config(tmp_path, run__outer_steps=4, inner__window_s=1.5, inner__steps=1000)
-    swarm = Swarm(tmp_path, 2, cfg)
-    try:
-        swarm.peers.append(swarm.spawn(0, None, wait_peers=2))
-        swarm.peers.append(swarm.spawn(1, swarm.boot_address(0), wait_peers=2, env={"PEERD_FAULT_STEP_DELAY_S": "0.2"}))
-        for p in swarm.peers:
-            p.wait_file("address")
-        swarm.wait_exit(180)
-    finally:
-        swarm.stop()
+    swarm = run_with_a_slow_last_peer(tmp_path, 2, cfg, {"PEERD_FAULT_STEP_DELAY_S": "0.2"})
     assert_identical_globals([p.data_dir for p in swarm.peers])
     for p in swarm.peers:
         assert "refused contributions" not in p.log(), p.log_tail()
