@@ -407,24 +407,24 @@ def capped_tokens(claims: list[int]) -> list[int]:
     return [min(c, cap) for c in claims]
 
 
-def member_weight(group: pb.Group, peer_id: str) -> float:
-    """The factor a member scales its own contribution by, so that the owners' plain mean over n members is the
-    token-weighted mean: w_i = tokens_i / mean(tokens). 1.0 when the group is unweighted or all claims are equal."""
+def group_weights(group: pb.Group) -> list[float] | None:
+    """Every member's weight, in member order: the factor it scales its contribution by, so that the owners' plain
+    mean over n members is the token-weighted mean, w_i = tokens_i / mean(tokens). None when the group is unweighted
+    or all claims are equal (every weight 1.0). An owner needs them whenever any member scaled its vector, whatever
+    its own weight is: with claims [32, 64, 96] the middle member's own weight is exactly 1.0, yet its shard's subset
+    means and its norm screen need the others'."""
     tokens = list(group.tokens)
     if len(tokens) != len(group.members) or len(set(tokens)) <= 1:
-        return 1.0
+        return None
+    total = sum(tokens)
+    return [t * len(tokens) / total for t in tokens]
+
+
+def member_weight(group: pb.Group, peer_id: str) -> float:
+    """The factor this member scales its own contribution by (group_weights); 1.0 when unweighted or not a member."""
+    weights = group_weights(group)
     index = next((i for i, m in enumerate(group.members) if m.peer_id == peer_id), None)
-    if index is None:
-        return 1.0
-    return tokens[index] * len(tokens) / sum(tokens)
-
-
-def group_weights(group: pb.Group) -> list[float] | None:
-    """Every member's weight, in member order, or None when the group is unweighted (all 1.0). An owner needs
-    them whenever any member scaled its vector, whatever its own weight is: with claims [32, 64, 96] the middle
-    member's own weight is exactly 1.0, yet its shard's subset means and its norm screen need the others'."""
-    weights = [member_weight(group, m.peer_id) for m in group.members]
-    return weights if any(w != 1.0 for w in weights) else None
+    return 1.0 if weights is None or index is None else weights[index]
 
 
 def included_tokens(group: pb.Group, included: list[str]) -> list[int]:
