@@ -246,8 +246,8 @@ class DiLoCo(OuterAlgorithm):
 
     def _note_size(self, trainer: Trainer, step: int, sent_rms: float) -> None:
         """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen
-        (robust.max_norm_ratio) refuses one 10x theirs, and at 64 peers under churn honest peers' retries and carries
-        were refused so, for a cause not yet traced (README, "Scale")."""
+        (robust.max_norm_ratio) refuses one 10x theirs per claimed work. At 64 peers under churn honest peers'
+        carries were refused so while the screen judged token-weighted norms (README, "Scale", stops 38-41)."""
         self.sent_rms = sent_rms
         usual = statistics.median(self.applied_rms) if len(self.applied_rms) >= 3 else 0.0
         if usual > 0 and self.sent_rms > UNUSUAL_SIZE * usual:
@@ -278,9 +278,10 @@ class DiLoCo(OuterAlgorithm):
 
         Work is carried over one missed round at most, and only one window of it: a peer that keeps missing rounds
         (a joiner behind a fast swarm, a peer far slower than the window, a round it found already done before gossip
-        named a better state) would otherwise pile up a pseudo-gradient many windows long. Its tokens weight it up
-        as well (peerd/rendezvous.py member_weight), so its scaled contribution grows with the square of its length,
-        and the owners' norm screen refuses it (and bans after repeats), as it did to an honest restarted peer."""
+        named a better state) would otherwise pile up a pseudo-gradient many windows long and one round stale. The
+        owners' norm screen divides its token weight out and allows for the work it claims, but claims count for at
+        most rendezvous.MAX_WEIGHT_RATIO x the group's lower median, so a long enough pile is refused (and banned
+        after repeats)."""
         self.window_start = time.monotonic()
         if self.carry and self.steps_pending and self.carried_in_a_row < 1 and self.windows_pending <= 1:
             self.carried_in_a_row += 1
