@@ -199,7 +199,12 @@ class ReduceRound(Takeover):
         if kind == "pull":  # a fallback owner asks for the shard's average: what we hold of it, or nothing
             if sender not in self.ids or not 0 <= shard < self.n_shards:
                 raise StreamError("not_member", f"{sender[:8]} asked for shard {shard} of a round it is not in")
-            for msg in pull_reply(self.held.get(shard), self.chunk_bytes):
+            held = self.held.get(shard)
+            if held is None and self._failed is not None:
+                # Our round failed here: we are retrying and will never contribute to that fallback, which must
+                # stop waiting for us (ABORTED: Takeover._pull_from) rather than until the round's deadline.
+                raise RoundFailed(f"this peer's round failed: {self._failed}", set(), "aborted")
+            for msg in pull_reply(held, self.chunk_bytes):
                 yield msg
             return
         owner = await self.wait_owner(shard, sender)

@@ -34,9 +34,11 @@ NUMEL = 1_500_000  # 6 MB of fp32: 3 shards of 2 MB, each 8 parts of at most 256
 # One peer: join, wait for the others, average its seeded vector once, save the result.
 _WORKER = textwrap.dedent(
     """
-    import json, os, sys, threading, time
+    import json, logging, os, sys, threading, time
     from pathlib import Path
     import torch
+    # INFO with timestamps: a failed test's log then shows which peer waited for what, and how long
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from peerd.config import RunConfig
     from peerd.daemon import Daemon
     from peerd.identity import Identity
@@ -195,3 +197,19 @@ def test_included_mask_is_a_bitmask_over_the_group_member_list() -> None:
     assert included_mask(9, range(9)) == bytes([0xFF, 0x01])
     assert len(included_mask(64, range(64))) == 8
     assert included_mask(0, []) == b""
+
+
+def test_a_member_late_to_a_round_the_others_aborted_retries_with_them(tmp_path: Path) -> None:
+    """Peer 1's loop stalls 2 s after its rendezvous, so by the time it streams, owner 0 has refused peer 2's corrupt
+    part and both others have left the round. Peer 1's stream to owner 0 ends while it sends, which looks like a lost
+    owner, so peer 1 takes shard 0 over and waits for the others' contributions. Members whose round failed answer
+    its pulls with ABORTED and are left out, so it fails at once and retries with peer 0. Before, it waited until
+    both had left the run, and the honest peers ended the step apart (1 in 7 runs of the test above under load)."""
+    bad = {"PEERD_FAULT_CORRUPT_PAYLOADS": "1", "PEERD_FAULT_CORRUPT_FROM_PART": "2"}
+    ids_in_order(tmp_path, 3)
+    results = _run_peers(tmp_path, 3, {1: {"PEERD_FAULT_LOOP_STALL_S": "2"}, 2: bad})
+    honest = [r for r, _ in results[:2]]
+    for r, log in results[:2]:
+        assert sorted(r.get("included", [])) == sorted(h["id"] for h in honest), log[-3000:]
+    assert "round failed there" in results[1][1]
+    assert torch.equal(_average(tmp_path, 0), _average(tmp_path, 1))
