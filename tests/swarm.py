@@ -131,13 +131,14 @@ class Swarm:
         n: int,
         config: Path | None = None,
         metrics: bool = False,
-        wait_peers: bool = True,
+        wait_peers: bool | int = True,
         extra_args: list[str] | None = None,
         secure: bool = False,
         env: dict[str, str] | None = None,
     ) -> None:
         """`secure` runs peers with TLS (no --insecure), as `peerd start` does by default; `env`: extra environment of
-        every peer `start()` spawns (fault injectors)."""
+        every peer `start()` spawns (fault injectors). `wait_peers`: True waits for the `n` peers, a number for that
+        many (peers the test spawns itself after `start()`, such as a faulty one)."""
         self.secure = secure
         self.env = env
         self.tmp_path = tmp_path
@@ -195,7 +196,7 @@ class Swarm:
         return self.peers[index].address
 
     def start(self) -> Swarm:
-        wait = self.n if self.wait_peers else 0
+        wait = self.n if self.wait_peers is True else int(self.wait_peers)
         first = self.spawn(0, None, wait_peers=wait, env=self.env)
         self.peers.append(first)
         boot = self.boot_address(0)

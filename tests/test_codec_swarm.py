@@ -51,9 +51,11 @@ def test_corrupt_frames_are_refused_and_the_round_goes_on_without_the_sender(tmp
     # The corrupt peer gets the highest id, so it never leads a round: a hostile leader that only some honest peers
     # blame yet can still split them between leaders for a step (SECURITY.md, limitations); that is not this test.
     ids_in_order(tmp_path, 4)
-    swarm = Swarm(tmp_path, 3, cfg)
+    # Every peer waits for all 4: under load the corrupt peer's start (torch's import) once took longer than the
+    # honest peers' 4 outer steps, and it never took part (0 rejected messages)
+    swarm = Swarm(tmp_path, 3, cfg, wait_peers=4)
     with swarm:
-        bad = swarm.spawn(3, swarm.peers[0].address, env={"PEERD_FAULT_CORRUPT_PAYLOADS": "1"})
+        bad = swarm.spawn(3, swarm.peers[0].address, wait_peers=4, env={"PEERD_FAULT_CORRUPT_PAYLOADS": "1"})
         swarm.peers.append(bad)
         honest = swarm.peers[:3]
         swarm.wait_exit(240, honest)
