@@ -223,8 +223,8 @@ class Takeover:
         except (grpc.aio.AioRpcError, StreamError) as exc:  # it holds none ("truncated"), or is gone: ask others
             log.debug("pulling shard %d from %s: %s", shard, pid[:8], exc)
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ABORTED:
-                # Its round failed and it retries without us: its contribution will never come. Waiting for it
-                # held a fallback whose every other owner had aborted (bad data) until they left the run (CI).
+                # Its round failed and it retries without us: its contribution will never come. Waiting for it held
+                # a fallback whose every other owner had aborted (bad data) until they left the run (tests, loaded).
                 log.info("shard %d: %s's round failed there (%s): leaving it out", shard, pid[:8], exc.details())
                 self.member_left(pid)
             return None
