@@ -166,9 +166,15 @@ def test_windowed_streaming_runs_its_schedule_on_the_clock(tmp_path: Path) -> No
     assert summaries[2]["inner_step"] < 0.7 * min(s["inner_step"] for s in summaries[:2]), summaries
     weighted = [r for r in summaries[0]["rounds"] if len(r["included"]) == 3 and r["tokens"]]
     assert len(weighted) >= 3, summaries[0]["rounds"]
+    # Summed over the rounds: one round alone may invert it. Under a CPU burner a fast peer, slow to start, did one
+    # step (128 tokens) before the first sync while the slow peer had 1024: claims follow the work actually done.
+    total: dict[str, int] = {}
     for r in weighted:
         tokens = dict(zip(r["included"], r["tokens"], strict=True))
-        assert 0 < tokens[slow_id] < 0.7 * min(t for pid, t in tokens.items() if pid != slow_id), r
+        assert tokens[slow_id] > 0, r
+        for pid, t in tokens.items():
+            total[pid] = total.get(pid, 0) + t
+    assert total[slow_id] < 0.7 * min(t for pid, t in total.items() if pid != slow_id), total
 
 
 def test_uplink_injector_slows_a_peer_that_the_swarm_then_flags(tmp_path: Path) -> None:
