@@ -233,6 +233,7 @@ def test_work_piled_up_through_a_dead_sponsor_rejoins_rounds_scaled_to_a_few_win
         peer.close()
 
 
+@pytest.mark.slow
 def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Path) -> None:
     """PEERD_FAULT_UPLINK_MBIT (no root needed): once the swarm flags the slow peer, it stops joining rounds; its
     work reaches the swarm through a sponsor, rounds complete without waiting for it, and every peer ends on one
@@ -244,6 +245,7 @@ def test_a_peer_with_a_slow_uplink_sends_its_work_through_a_sponsor(tmp_path: Pa
     _check_sponsored_run(swarm.peers, 3, averaged=True)
 
 
+@pytest.mark.slow
 def test_a_sponsored_peer_whose_sponsor_is_killed_moves_on_and_the_survivors_end_on_one_model(tmp_path: Path) -> None:
     """kill -9 the sponsor. The sponsored peer's next upload fails at once (connection refused): it counts that
     sponsor unreachable, so its next window goes through another sponsor or back into rounds. Before, the dead
