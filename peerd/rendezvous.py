@@ -84,6 +84,8 @@ class RendezvousLeader:
         self.closed: dict[Key, pb.Group] = {}
         self.blamers: dict[Key, dict[str, set[str]]] = {}  # suspect -> the joiners that named it, across generations
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
+        self.skipping: set[tuple[int, int]] = set()  # (step, fragment) rounds our own peer will not join
+        self.handed: dict[tuple[int, int], str] = {}  # (step, fragment) -> the peer we handed its lead on to
 
     async def join(
         self,
@@ -156,6 +158,32 @@ class RendezvousLeader:
             return pb.RendezvousResponse(behind=step + 1)
         return pb.RendezvousResponse(group=group)
 
+    def skip(self, step: int, fragments: list[int]) -> None:
+        """Our own peer will not join these fragment rounds of `step` (Streaming: it adopted a state at the boundary
+        where they start, after the swarm had started them). As their leader it must not expect itself: a joiner with
+        the lowest id that downloaded the state a moment before the swarm's boundary made the others wait out a
+        deadline (8 s) for it, and 24 s when they fell into two groups (seen in CI)."""
+        me = self.membership.self_id
+        self.skipping = {(t, f) for t, f in self.skipping if t >= step - 2}  # bounded: only recent steps matter
+        for fragment in fragments:
+            self.skipping.add((step, fragment))
+            for key, pend in list(self.pending.items()):
+                if key[:2] == (step, fragment) and me not in pend.joined:
+                    pend.expected.discard(me)
+                    if pend.joined and pend.expected <= set(pend.joined):
+                        self._close(key)
+
+    def hand_on(self, step: int, fragment: int, peer_id: str) -> None:
+        """We passed the lead of this round up to `peer_id` (we lagged the round's step, or may not lead): it keeps
+        that leader even once we catch up. A joiner that handed a fragment round on while its state download was in
+        flight led the same round a moment later, when the next member asked it, and split the swarm between two
+        groups: one member waited out both extensions alone (24 s, seen in CI)."""
+        self.handed = {k: v for k, v in self.handed.items() if k[0] >= step - 2}  # bounded: recent steps only
+        self.handed.setdefault((step, fragment), peer_id)
+
+    def handed_to(self, step: int, fragment: int) -> str | None:
+        return self.handed.get((step, fragment))
+
     def _refused(self, key: Key) -> set[str]:
         """Peers kept out of the key's groups: blamed by the leader itself or by two members."""
         me = self.membership.self_id
@@ -180,6 +208,8 @@ class RendezvousLeader:
             # peers at step-1 may have finished that round a moment ago without gossip saying so yet
             if at(p) in (step - 1, step) and not p.left and not p.finished and not other_lineage(p) and not p.sponsor
         }
+        if key[:2] in self.skipping:
+            expected.discard(m.self_id)
         pend = _Pending(
             key,
             generation,
@@ -310,6 +340,7 @@ class RendezvousLeader:
             if ((self.my_step() if p.peer_id == m.self_id else m.step_of(p)) <= step or key[1] >= 0)
             and not (lineage and p.outer_step == step and p.state_digest and p.state_digest != lineage)
             and not p.sponsor  # its work comes through its sponsor, whenever its link gets it there
+            and not (p.peer_id == m.self_id and key[:2] in self.skipping)
         }
         pend.expected = {p for p in pend.expected if p in waiting} | set(pend.joined)
         if 2 * len(pend.joined) <= len(pend.expected) and pend.extensions < 2:

@@ -93,7 +93,12 @@ class RoundClient:
             excluded.add(me)
         leader = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in excluded])
         if leader is not None and leader.peer_id != me and (leader.peer_id < me or me in self.no_lead or lagging):
+            if leader.peer_id > me:  # handed on upwards: the round keeps that leader once we catch up
+                self.d.leader.hand_on(request.step, request.fragment, leader.peer_id)
             return pb.RendezvousResponse(redirect=leader)
+        handed = self._handed_to(request.step, request.fragment, excluded)
+        if handed is not None:
+            return pb.RendezvousResponse(redirect=handed)
         theirs = Claim(int(request.work), int(request.step), bytes(request.state_digest))
         behind = self.d.status.outer_step > request.step and outranks(self.d.my_claim(), theirs)
         lineage = bytes(request.state_digest) if self.d.ranked else b""
@@ -121,6 +126,13 @@ class RoundClient:
         able = [p for p in peers if dialable(p) and not p.sponsor] or [p for p in peers if dialable(p)]
         unflagged = [p for p in able if p.peer_id not in self.no_lead]
         return (unflagged or able or [None])[0]
+
+    def _handed_to(self, step: int, fragment: int, excluded: set[str]) -> pb.PeerInfo | None:
+        """The live peer we handed this round's lead on to (RendezvousLeader.hand_on), if any."""
+        assert self.d.leader is not None
+        pid = self.d.leader.handed_to(step, fragment)
+        info = self.d.membership.get(pid) if pid is not None and pid not in excluded else None
+        return info if info is not None and self.d.membership.is_alive(info.peer_id) and dialable(info) else None
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.d.membership.alive())
@@ -171,6 +183,11 @@ class RoundClient:
                     # settled or not, or we would wait in a group everyone else is redirected away from.
                     lower = self._first_leader([p for p in self.d.membership.alive() if p.peer_id not in tried])
                     target = lower if lower is not None and lower.peer_id < target.peer_id else target
+            handed = self._handed_to(step, fragment, tried) if target.peer_id == self.d.identity.peer_id else None
+            if handed is not None:  # we handed this round's lead on: join there, and say we do not lead it
+                declined.add(target.peer_id)
+                tried.add(target.peer_id)
+                target = handed
             if target.peer_id == self.d.identity.peer_id:
                 lineage = bytes(self.d.me.state_digest) if self.d.ranked else b""
                 # As our own leader we act only on our own evidence (`avoid`): a member that aborts a round may name

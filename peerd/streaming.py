@@ -423,8 +423,11 @@ class StreamingDiLoCo(OuterAlgorithm):
         self._reloaded = False
         self.s = trainer.outer_step * self.H
         self._anchor = (time.monotonic(), self.s)
-        if self.s > 0 and self.schedule.due(self.s):
+        due = self.schedule.due(self.s) if self.s > 0 else []
+        if due:
             self.needs_resync = True
+            for p in due:  # if we lead them (the lowest id), the others must not wait for us
+                trainer.swarm.skip_rounds(self.schedule.round_step(self.s, p), [p])
 
     # -- OuterAlgorithm state --------------------------------------------------------------------------------
     def part_ranges(self) -> list[list[tuple[int, int]]]:

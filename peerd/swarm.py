@@ -120,6 +120,9 @@ class Swarm(Protocol):
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
         """These peers finished `step` with us: the next round expects them without waiting for gossip."""
 
+    def skip_rounds(self, step: int, fragments: Sequence[int]) -> None:
+        """We will not join these fragment rounds of `step`: as their leader, do not wait for us."""
+
     def canonical(self, min_step: int = -1) -> Claim | None:
         """The live peers' best state claim when it outranks ours (peerd/consistency.py), else None."""
 
@@ -381,6 +384,13 @@ class DaemonSwarm:
         ids = list(peer_ids)
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody needs the note
             loop.call_soon_threadsafe(self.daemon.membership.note_round, step, ids)
+
+    def skip_rounds(self, step: int, fragments: Sequence[int]) -> None:
+        loop, leader = self.daemon.loop, self.daemon.leader
+        if loop is None or leader is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: no round waits for us any more
+            loop.call_soon_threadsafe(leader.skip, step, list(fragments))
 
     def canonical(self, min_step: int = -1) -> Claim | None:
         return self.daemon.canonical(min_step)

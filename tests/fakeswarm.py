@@ -72,6 +72,7 @@ class FakeSwarm:
     vectors: list[torch.Tensor] = field(default_factory=list)  # what we contributed, round by round
     recorded: list[pb.Group] = field(default_factory=list)
     noted: list[tuple[int, list[str]]] = field(default_factory=list)
+    skipped: list[tuple[int, list[int]]] = field(default_factory=list)  # rounds we told the leader we skip
     solo_steps: int = 0
     failures: list[str] = field(default_factory=list)
     join_lag_ms: list[int] = field(default_factory=list)  # the leader's join lags for our rounds' groups (us first)
@@ -127,6 +128,9 @@ class FakeSwarm:
 
     def note_members(self, step: int, peer_ids: Sequence[str]) -> None:
         self.noted.append((step, list(peer_ids)))
+
+    def skip_rounds(self, step: int, fragments: Sequence[int]) -> None:
+        self.skipped.append((step, list(fragments)))
 
     def canonical(self, min_step: int = -1) -> Claim | None:
         return self.best

@@ -304,6 +304,23 @@ def test_streaming_outranked_at_a_boundary_downloads_only_then(tmp_path: Path) -
     assert torch.allclose(trainer.algorithm.state.global_params, served["params"])
 
 
+def test_streaming_after_a_state_load_skips_the_boundarys_rounds_and_tells_the_leader(tmp_path: Path) -> None:
+    """A joiner that adopted the state of boundary 2 mid-cycle cannot take part in the rounds the swarm started
+    there; it says so, so that as their leader (the lowest id) it does not make the others wait for it."""
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 4}, streaming={"fragments": 2, "tau": 1})
+    for _ in range(3):
+        trainer.inner_step()
+    trainer.algorithm.load_state_tensors(trainer, trainer.algorithm.state_tensors())
+    trainer.outer_step = 2  # what the worker's download sets
+    swarm.calls.clear()
+    for _ in range(3):
+        trainer.inner_step()
+    assert swarm.skipped == [(2, [0])]  # fragment 0 syncs at every boundary: its round of step 2 is skipped
+    assert swarm.calls == [(2, 1)]  # fragment 1's round of the cycle is joined (s = 10)
+    assert trainer.algorithm.needs_resync  # the skipped round's update comes with the next boundary's download
+
+
 @pytest.mark.parametrize("algorithm", ["diloco", "noloco", "streaming"])
 def test_algorithms_never_write_the_trainers_step(tmp_path: Path, algorithm: str) -> None:
     trainer = setup(tmp_path, algorithm, FakeSwarm(), inner={"steps": 4})

@@ -218,6 +218,85 @@ def test_a_fragment_round_the_swarm_moved_past_closes_empty_but_one_waiting_for_
     asyncio.run(main())
 
 
+def test_a_leader_does_not_wait_for_its_own_peer_in_rounds_that_peer_skips() -> None:
+    """Streaming: a joiner that downloaded the state at boundary 6 skips the fragment rounds due there, which the swarm
+    started before it held that state. With the lowest id it leads them, and it used to expect itself (it is live,
+    at step 6): the others waited out the deadline for it (8 s, and 24 s in CI when they fell into two groups).
+    Told which rounds its peer skips, the leader closes them as soon as the others are in, whether it hears of the
+    skip before the group opens or while it waits."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        for p in (a, b, c):
+            m.entries[p.peer_id].info.outer_step = 6
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 6)
+        t0 = asyncio.get_running_loop().time()
+        leader.skip(6, [0])
+        got = await asyncio.wait_for(asyncio.gather(*(leader.join(6, 0, p, []) for p in (a, b, c))), 2.0)
+        assert {x.peer_id for x in got[0].group.members} == {a.peer_id, b.peer_id, c.peer_id}
+        assert lead.peer_id not in got[0].group.expected  # honest accounting: nobody expected us there
+
+        early = [asyncio.ensure_future(leader.join(6, 1, p, [])) for p in (a, b, c)]  # all in before we skip
+        await asyncio.sleep(0.1)
+        assert not any(f.done() for f in early)  # the leader still counts itself expected
+        leader.skip(6, [1])
+        got = await asyncio.wait_for(asyncio.gather(*early), 1.0)
+        assert len(got[0].group.members) == 3
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+
+        # A round we do not skip still waits for us (until the deadline)
+        later = asyncio.ensure_future(asyncio.gather(*(leader.join(7, 0, p, []) for p in (a, b, c))))
+        await asyncio.sleep(0.3)
+        assert not later.done()
+        later.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_handed_a_rounds_lead_on_keeps_sending_that_round_there_once_it_catches_up() -> None:
+    """A joiner with the lowest id, its state download in flight, is asked to lead fragment round (6, 1): more than a
+    step behind it, it hands the lead on to the next lowest peer. A moment later its download lands and the next
+    member asks it: it used to lead that round itself, so the swarm split between two groups and the first member
+    waited out both extensions alone (24 s, seen in CI). It sends the round where it sent the first member."""
+    from types import SimpleNamespace
+
+    from peerd.roundclient import RoundClient
+
+    async def main() -> None:
+        m, (me, a, b, c) = _swarm()
+        for p in (a, b, c):
+            m.entries[p.peer_id].info.outer_step = 6
+        status = SimpleNamespace(outer_step=0)  # still downloading
+        net = SimpleNamespace(rendezvous_timeout=5.0, round_timeout=60.0)
+        daemon = SimpleNamespace(
+            cfg=SimpleNamespace(network=net),
+            loop=asyncio.get_running_loop(),
+            identity=SimpleNamespace(peer_id=me.peer_id),
+            me=me,
+            membership=m,
+            status=status,
+            metrics=None,
+            ranked=True,
+        )
+        daemon.leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: status.outer_step)
+        rc = RoundClient(daemon)  # type: ignore[arg-type]
+        first = await rc.lead_rendezvous(pb.RendezvousRequest(step=6, fragment=1), c)
+        assert first.WhichOneof("result") == "redirect" and first.redirect.peer_id == a.peer_id
+        status.outer_step = 6  # the download landed
+        second = await asyncio.wait_for(rc.lead_rendezvous(pb.RendezvousRequest(step=6, fragment=1), b), 1.0)
+        assert second.WhichOneof("result") == "redirect" and second.redirect.peer_id == a.peer_id
+        # The peer it handed the round to is told to lead it (not sent back to us)
+        own = await asyncio.wait_for(rc.lead_rendezvous(pb.RendezvousRequest(step=6, fragment=1), a), 1.0)
+        assert own.WhichOneof("result") == "redirect" and own.redirect.peer_id == a.peer_id
+        # Another round, which we never handed on, we lead as the lowest id
+        mine = asyncio.ensure_future(rc.lead_rendezvous(pb.RendezvousRequest(step=6, fragment=0), b))
+        await asyncio.sleep(0.2)
+        assert not mine.done() and (6, 0, b"") in daemon.leader.pending
+        mine.cancel()
+
+    asyncio.run(main())
+
+
 def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     exc = RoundFailed("bad contribution", {"x" * 32, "y" * 32})
     md = suspects_metadata(exc)

@@ -26,7 +26,7 @@ from peerd.fragment_sync import (
 from peerd.identity import Identity
 from peerd.streaming import STATS_FILE, StreamingDiLoCo
 from peerd.worker import Worker, build_run_model
-from tests.swarm import Swarm, tiny_config
+from tests.swarm import Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 from trainer.flat import ParamLayout
 from trainer.fragments import fragment_offsets
@@ -430,7 +430,9 @@ def test_delayed_exchange_wait_and_skip(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.slow
-def test_late_joiner_downloads_state_and_ends_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("joiner_id", ["highest", "lowest"])
+def test_late_joiner_downloads_state_and_ends_identical(tmp_path: Path, joiner_id: str) -> None:
+    ids_in_order(tmp_path, 3, descending=joiner_id == "lowest")  # "lowest": the joiner leads every round it knows of
     cfg = tiny_config(
         tmp_path,
         run__outer_steps=8,
