@@ -352,6 +352,7 @@ def test_streaming_auto_tau_shrinks_when_rounds_are_fast(tmp_path: Path) -> None
     swarm = FakeSwarm()
     trainer = setup(tmp_path, "streaming", swarm, inner={"steps": 8}, streaming={"fragments": 2, "tau": "auto"})
     for _ in range(16):
+        time.sleep(0.02)  # steps of 20 ms: with microsecond steps, a round preempted by a loaded CPU looked slow
         trainer.inner_step()
     assert 1 <= trainer.algorithm.schedule.tau < trainer.algorithm.tau_max  # in-memory rounds take no time
 
