@@ -55,7 +55,6 @@ class Entry:
     last_sent: float = 0.0  # when we last put it in a gossip message (bounded messages go round-robin)
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
-    probe_asked: bool = False  # a round lost it while its heartbeat still looks fresh here: dial it at once
 
 
 @dataclass(frozen=True)
@@ -331,27 +330,14 @@ class Membership:
         one direct call then costs less than a false death (a peer dropped from rounds and re-dialled)."""
         now = time.monotonic() if now is None else now
         out: list[pb.PeerInfo] = []
-        # asked ones first (a round's evidence), then the stalest
-        for pid, e in sorted(self.entries.items(), key=lambda kv: (not kv[1].probe_asked, kv[1].last_advance)):
+        for pid, e in sorted(self.entries.items(), key=lambda kv: kv[1].last_advance):
             if len(out) >= most:
                 break
             stale = at * self.peer_timeout <= now - e.last_advance and e.last_probed <= e.last_advance
-            if (stale or e.probe_asked) and self.is_alive(pid, now):
+            if stale and self.is_alive(pid, now):
                 e.last_probed = now
                 out.append(e.info)
-            e.probe_asked = False
         return out
-
-    def probe_soon(self, peer_id: str) -> None:
-        """A round of ours lost this peer (its stream broke or it fell silent) without a refused dial marking it:
-        probe it at the next gossip tick instead of when its entry is about to expire. A killed peer's last
-        heartbeat reaches some observers late through bounded gossip, and its silence then counts from there: at 64
-        peers such observers found it dead just past 2 x peer_timeout, one of them 9 s after its own round had
-        counted it lost (bench.scale run AB). A probe marks a peer dead only on a refused connection, which no live
-        process gives, so asking costs one dial and never a false loss."""
-        e = self.entries.get(peer_id)
-        if e is not None:
-            e.probe_asked = True
 
     def snapshot(self, now: float | None = None) -> View:
         """Publish an immutable view for other threads (called on the loop after every gossip tick)."""

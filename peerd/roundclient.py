@@ -464,8 +464,6 @@ class RoundClient:
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue
             result.stats.seconds = time.perf_counter() - t0
-            for pid in result.lost:
-                self.d.membership.probe_soon(pid)
             if result.lost:
                 log.warning(
                     "round for step %d survived the loss of %s mid-round (%d shard(s) from a fallback owner); "

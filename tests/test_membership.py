@@ -218,23 +218,6 @@ def test_bounded_gossip_goes_round_robin_and_expiring_entries_are_probed_once() 
     assert len(m.alive(now=10.5)) == 2  # the probes did not keep anyone alive: only a fresh heartbeat does
 
 
-def test_a_peer_a_round_lost_is_probed_at_the_next_tick_whatever_its_heartbeats_age() -> None:
-    """A round that lost a member asks for a probe (RoundClient: `probe_soon`): the entry is handed out at once,
-    ahead of the stale ones and within `most`, once; without the ask, a fresh entry waits for 0.6 x peer_timeout."""
-    me = _info(b"m" * 32, 1)
-    m = Membership(me, peer_timeout=10.0, settle_s=0.0)
-    others = [_info(bytes([i + 1]) * 32, 1) for i in range(6)]
-    m.merge(others, now=0.0)
-    assert m.expiring(now=1.0) == []  # heard from 1 s ago
-    m.probe_soon(others[3].peer_id)
-    m.probe_soon("not-a-peer")  # unknown: nothing to probe
-    assert [p.peer_id for p in m.expiring(now=1.1)] == [others[3].peer_id]
-    assert m.expiring(now=1.2) == []  # once per ask
-    m.probe_soon(others[5].peer_id)
-    got = m.expiring(now=7.0, most=2)  # all stale now: the asked one still comes first
-    assert got[0].peer_id == others[5].peer_id and len(got) == 2
-
-
 def test_gossip_leave_and_failure_detection(tmp_path: Path) -> None:
     with Swarm(tmp_path, 4, tiny_config(tmp_path, run__outer_steps=0)) as swarm:
         p = swarm.peers
