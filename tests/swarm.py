@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from peerd.demo import to_toml
 from peerd.identity import Identity
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,7 +68,7 @@ def peer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class Peer:
-    def __init__(self, index: int, data_dir: Path, proc: subprocess.Popen) -> None:
+    def __init__(self, index: int, data_dir: Path, proc: subprocess.Popen | forkserver.ForkedProc) -> None:
         self.index = index
         self.data_dir = data_dir
         self.proc = proc
@@ -186,8 +187,7 @@ class Swarm:
         data = self.tmp_path / f"peer{index}"
         data.mkdir(parents=True, exist_ok=True)
         cmd = self.start_command(index, bootstrap, config=config, wait_peers=wait_peers, extra=extra)
-        with open(data / "log", "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env), cwd=REPO)
+        proc = forkserver.start(cmd, peer_env(env), env, REPO, data / "log")
         peer = Peer(index, data, proc)
         return peer
 
