@@ -6,8 +6,8 @@ start` code path (`peerd.cli.main`) and talking real gRPC; only the imports are 
 `multiprocessing`'s forkserver: a clean process with no threads and no gRPC objects, so forking it is safe.
 
 Fault injectors are read from the environment at import (peerd/faults.py), so a daemon started with environment
-overrides runs as a fresh interpreter (`subprocess.Popen`), never forked. `PEERD_TEST_FORKSERVER=0` turns the fork
-server off.
+overrides or any `PEERD_FAULT*` variable runs as a fresh interpreter (`subprocess.Popen`), never forked.
+`PEERD_TEST_FORKSERVER=1` turns the fork server on (off by default for now, see `enabled`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ _ctx: list[BaseContext] = []
 
 
 def enabled() -> bool:
-    return os.environ.get("PEERD_TEST_FORKSERVER", "1") != "0" and sys.platform.startswith("linux")
+    """Opt-in (`PEERD_TEST_FORKSERVER=1`) until a whole CI run passes with it: the first one (27 min instead of 36)
+    failed two tests, whose causes are fixed below (a fault set with monkeypatch.setenv, and `sys.argv`)."""
+    return os.environ.get("PEERD_TEST_FORKSERVER", "0") == "1" and sys.platform.startswith("linux")
 
 
 def _context() -> BaseContext:
@@ -48,6 +50,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    sys.argv = ["peerd", *argv]  # as `python -m peerd` sees it: --procs-per-peer re-runs sys.argv[1:] (launch.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     from peerd.cli import main
@@ -100,9 +103,10 @@ class ForkedProc:
 def start(
     cmd: list[str], env: dict[str, str], overrides: dict[str, str] | None, cwd: Path, log_path: Path
 ) -> subprocess.Popen | ForkedProc:
-    """`cmd` is `[python, -m, peerd, ...]`. Forked unless the fork server is off or `overrides` changes the
-    environment (fault injectors are read at import)."""
-    if not enabled() or overrides or cmd[1:3] != ["-m", "peerd"]:
+    """`cmd` is `[python, -m, peerd, ...]`. Forked when the fork server is on, unless `overrides` changes the
+    environment or it holds a fault injector's variable (they are read at import)."""
+    faults = any(k.startswith("PEERD_FAULT") for k in env)  # also set by monkeypatch.setenv in the test process
+    if not enabled() or overrides or faults or cmd[1:3] != ["-m", "peerd"]:
         with open(log_path, "ab") as log:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     # daemon=True: one the test left running is killed at exit instead of joined (a hang)
