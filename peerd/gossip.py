@@ -171,7 +171,6 @@ class Gossip:
             await asyncio.sleep(nap)
             self._forgive_stall(time.monotonic() - t0 - nap)
             self.d.membership.bump()
-            self.d.membership.judge_crowd()
             self.d.checks.refresh_suspects()
             self.refresh_timing()
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
@@ -263,14 +262,7 @@ class Gossip:
                 if silent >= m.peer_timeout
                 else "unreachable" + (f" ({cause})" if cause else "")
             )
-            graced = m.prev_limit > m.silence_limit  # the grace ended at this tick's judge_crowd: with this crowd
-            limit, share = (m.prev_limit, m.prev_share) if graced else (m.silence_limit, m.crowd_share)
-            grace = (
-                f"; silence convicts after {limit:.1f}s while {share:.0%} of live peers are stale"
-                if limit > m.peer_timeout and silent >= m.peer_timeout
-                else ""
-            )
-            log.warning("peer %s lost: %s (network.peer_timeout %.1fs%s)", pid[:8], why, m.peer_timeout, grace)
+            log.warning("peer %s lost: %s (network.peer_timeout %.1fs)", pid[:8], why, m.peer_timeout)
             self._said_lost.add(pid)
         self._alive_ids = now_ids
 

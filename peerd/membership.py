@@ -2,8 +2,7 @@
 
 There is no central server. Each peer bumps its own heartbeat counter; gossip carries every entry to every peer, and
 the highest (incarnation, heartbeat) wins. A peer whose heartbeat has not advanced for `peer_timeout` seconds of local
-time is considered dead (1.5x that while a quarter of the swarm is quiet at once: `judge_crowd`); a peer that
-announced Leave is kept as a tombstone so stale gossip cannot revive it.
+time is considered dead; a peer that announced Leave is kept as a tombstone so stale gossip cannot revive it.
 
 Three rules keep one model whatever the network does (ARCHITECTURE.md, "One model"):
 - Entries are signed by the peer they describe, so gossip relayed through others cannot be forged or altered.
@@ -25,13 +24,6 @@ from peerd.identity import peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
 MAX_PEERS = 4096  # a gossip message with more entries than this is refused rather than stored
-# Crowd grace (`Membership.judge_crowd`): when at least this share of the live peers is stale at once (silent for half
-# the timeout), silence convicts only after CROWD_GRACE x peer_timeout. Below 2x, so a dead peer that only silence
-# finds is still logged lost within 2 x peer_timeout; and at least CROWD_MIN stale peers, so in a small swarm one quiet
-# peer is not a crowd.
-CROWD_SHARE = 0.25
-CROWD_GRACE = 1.5
-CROWD_MIN = 3
 ENTRY_DOMAIN = b"peerd/peerinfo/v1"
 
 
@@ -101,12 +93,6 @@ class Membership:
         # majority of the swarm (peerd/robust.py). Set by the daemon.
         self.excluded: Callable[[str], bool] = lambda peer_id: False
         self.view = View((), 0, ())
-        # How long silence takes to convict: peer_timeout, or CROWD_GRACE x that while a crowd is stale (judge_crowd)
-        self.silence_limit = peer_timeout
-        self.crowd_share = 0.0  # share of the live peers stale at the last judge_crowd
-        # the limit and share before the last judge_crowd: the crowd that waited out the grace is gone once it is
-        # convicted, so the "lost" line (gossip.py) reads what convicted it from here
-        self.prev_limit, self.prev_share = peer_timeout, 0.0
 
     @property
     def self_id(self) -> str:
@@ -148,7 +134,7 @@ class Membership:
             else:
                 if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
-                if now - cur.last_advance >= self.silence_limit:
+                if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
                 cur.info = copy_peer(info)
                 cur.last_advance = now
@@ -234,29 +220,6 @@ class Membership:
         for e in self.entries.values():
             e.last_advance = min(now, e.last_advance + seconds)
 
-    def judge_crowd(self, now: float | None = None) -> float:
-        """Set `silence_limit` for the next tick from how many live peers are stale (silent for half the timeout) at
-        once, and return it. One silent peer among many heard from is evidence against that peer; a quarter of the
-        swarm silent together says more about us or the swarm as a whole (our own starved process, the swarm's CPU
-        or uplinks taken by a round) than about each of them, so silence then convicts only after CROWD_GRACE x
-        peer_timeout (HashiCorp's Lifeguard likewise stretches timeouts while a member's local health is poor). At
-        64 daemons on 2 cores, 86% of the live peers counted lost for silence were heard from again within 1.5 x
-        peer_timeout, in bursts that hit most observers mid-round. A refused dial still convicts at once, and a real
-        split still ends in each half losing the other, within 1.5 x peer_timeout instead of 1x."""
-        now = time.monotonic() if now is None else now
-        self.prev_limit, self.prev_share = self.silence_limit, self.crowd_share
-        live = stale = 0
-        for pid, e in self.entries.items():
-            quiet = now - e.last_advance
-            # heard from within the limit, whatever a failed dial since says: going quiet together is the signal
-            if quiet < self.silence_limit and not e.info.left and not self.excluded(pid):
-                live += 1
-                stale += quiet >= self.peer_timeout / 2
-        self.crowd_share = stale / live if live else 0.0
-        crowd = stale >= CROWD_MIN and self.crowd_share >= CROWD_SHARE
-        self.silence_limit = self.peer_timeout * (CROWD_GRACE if crowd else 1.0)
-        return self.silence_limit
-
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:
             return True
@@ -265,7 +228,7 @@ class Membership:
         return (
             e is not None
             and not e.info.left
-            and now - e.last_advance < self.silence_limit
+            and now - e.last_advance < self.peer_timeout
             and now >= e.unreachable_until
             and not self.excluded(peer_id)
         )
@@ -353,7 +316,7 @@ class Membership:
             age = now - e.last_advance
             if e.info.left and age < 3 * self.peer_timeout:
                 tombs.append(e.info)
-            elif age < self.silence_limit and not e.info.left:
+            elif age < self.peer_timeout and not e.info.left:
                 live.append(e)
         if limit > 0 and len(live) > limit:
             live = sorted(live, key=lambda e: e.last_sent)[:limit]
