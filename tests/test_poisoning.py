@@ -183,7 +183,8 @@ def test_poisoning_peers_are_refused_then_banned_and_the_rest_train_on(tmp_path:
         swarm.peers.append(swarm.spawn(i, first.address, wait_peers=4, env=env))
     honest, poisoners = swarm.peers[:2], swarm.peers[2:]
     try:
-        bad_ids = {p.status().peer_id for p in poisoners}
+        huge_id = poisoners[0].status().peer_id
+        bad_ids = {huge_id, poisoners[1].status().peer_id}
         swarm.wait_exit(240, honest)
     finally:
         for p in poisoners:  # they never finish an outer step with the honest peers: stop them
@@ -203,4 +204,8 @@ def test_poisoning_peers_are_refused_then_banned_and_the_rest_train_on(tmp_path:
     assert sum(p.summary()["rejected_contributions"] for p in honest) >= 2
     assert set().union(*(p.summary()["banned"] for p in honest)) == bad_ids
     log = "\n".join(p.log() for p in honest)
-    assert "contribution norm" in log and "NaN" in log
+    # The huge poisoner is caught where its data first meets a check: an owner's norm check of its contribution, or
+    # the members' screen of the averaged shard it owns. A round the NaN poisoner aborts can cut the first one short,
+    # so either is evidence (CI run 69 saw only the second: banned all the same).
+    assert "contribution norm" in log or f"peer {huge_id[:8]} sent invalid data (too_large)" in log, log[-3000:]
+    assert "NaN" in log
