@@ -201,16 +201,6 @@ def _report(
     # peer's requests, to show whether the leader is a hot spot
     rdv = [d.get("peerd_sent_bytes_total:rendezvous", 0.0) / k for d, k in done if k > 0]
     det = detection(logs, kills, t1)
-    # A live peer counted out: a "lost" line in the window for a peer not killed in the 60 s before it
-    killed_at: dict[str, list[float]] = {}
-    for at, pid in kills:
-        killed_at.setdefault(pid, []).append(at)
-    false_losses = 0
-    for log in logs.values():
-        for line in log.splitlines():
-            m = LOST.match(line)
-            if m and m[3] == "lost" and t0 <= (t := _ts(m[1])) <= t1:
-                false_losses += not any(at <= t <= at + 60 for at in killed_at.get(m[2], []))
     rounds = len(steps)
     return {
         "peers": n,
@@ -233,8 +223,40 @@ def _report(
         "rendezvous_B_per_round_max": round(max(rdv)) if rdv else None,
         "kills": len(kills),
         **det,
-        "false_losses": false_losses,
+        **false_losses(logs, kills, t0, t1),
         "peer_timeout": PEER_TIMEOUT,
+    }
+
+
+def false_losses(logs: dict[int, str], kills: list[tuple[float, str]], t0: float, t1: float) -> dict[str, Any]:
+    """Live peers counted out: "lost" lines in the window [t0, t1] for a peer not killed in the 60 s before. Also what
+    said so (`_how`), and how soon that observer heard from the peer again (a "back" line after it): a peer heard
+    from seconds after a silence verdict was only slow to reach it, which is what bounded gossip under CPU
+    starvation does (README, "Scale", stop 44)."""
+    killed_at: dict[str, list[float]] = {}
+    for at, pid in kills:
+        killed_at.setdefault(pid, []).append(at)
+    count, by, back = 0, {}, []
+    for log in logs.values():
+        pending: dict[str, float] = {}  # peer -> when this observer counted it out
+        for line in log.splitlines():
+            if (b := BACK.match(line)) and b[2] in pending:
+                back.append(_ts(b[1]) - pending.pop(b[2]))
+                continue
+            m = LOST.match(line)
+            if not (m and m[3] == "lost" and t0 <= (t := _ts(m[1])) <= t1):
+                continue
+            if not any(at <= t <= at + 60 for at in killed_at.get(m[2], [])):
+                count += 1
+                how = _how(line)
+                by[how] = by.get(how, 0) + 1
+                pending[m[2]] = t
+    back.sort()
+    return {
+        "false_losses": count,
+        "false_by": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+        "false_back_s_median": round(statistics.median(back), 2) if back else None,
+        "false_back_s_p90": round(back[int(0.9 * (len(back) - 1))], 2) if back else None,
     }
 
 
@@ -360,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"silent past 2x the timeout ({row['observers_down']} observers not running then, not counted) "
                 f"(timeout {row['peer_timeout']}), half the swarm knew after {row['half_detect_s_median']} s "
                 f"(worst kill {row['half_detect_s_max']} s), detected by {row['detected_by']}, "
-                f"{row['false_losses']} live peers counted lost",
+                f"{row['false_losses']} live peers counted lost (by {row['false_by']}; heard from again after "
+                f"{row['false_back_s_median']}/{row['false_back_s_p90']} s, median/p90)",
                 flush=True,
             )
 

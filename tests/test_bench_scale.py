@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bench.scale import _how, detection
+from bench.scale import _how, detection, false_losses
 
 
 def _at(t: float) -> str:
@@ -48,3 +48,23 @@ def test_each_detection_is_put_down_to_what_found_it() -> None:
     assert _how(line + "unreachable (round dial failed) (network.peer_timeout 15.0s)") == "round"
     assert _how(line + "silent for 16.1s (network.peer_timeout 15.0s)") == "silent"
     assert _how("2026-11-27 22:09:33,994 WARNING peerd: peer 0aa207c5 restarted: a new process") == "restarted"
+
+
+def test_false_losses_count_live_peers_counted_out_and_when_they_were_heard_from_again() -> None:
+    """A "lost" line in the window for a peer not killed in the 60 s before counts, put down to what said so, with the
+    seconds until the same observer heard from the peer again; a killed peer's loss and lines outside the window
+    do not count."""
+    t = 1_800_000_000.0
+    live, dead, other = "aaaaaaaa", "bbbbbbbb", "cccccccc"
+    kills = [(t + 50, dead)]
+    logs = {
+        1: f"{_at(t + 10)} WARNING peerd: peer {live} lost: silent for 15.2s (network.peer_timeout 15.0s)\n"
+        f"{_at(t + 13)} INFO peerd: peer {live} is live again\n"
+        f"{_at(t + 55)} WARNING peerd: peer {dead} lost: unreachable (probe UNAVAILABLE) (x)\n"
+        f"{_at(t + 500)} WARNING peerd: peer {live} lost: silent for 16.0s (x)\n",  # after the window
+        2: f"{_at(t + 20)} WARNING peerd: peer {other} lost: unreachable (gossip UNAVAILABLE) (x)\n",  # never back
+    }
+    got = false_losses(logs, kills, t, t + 300)
+    assert got["false_losses"] == 2
+    assert got["false_by"] == {"silent": 1, "gossip": 1}
+    assert got["false_back_s_median"] == 3.0 and got["false_back_s_p90"] == 3.0
