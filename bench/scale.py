@@ -236,7 +236,7 @@ def false_losses(logs: dict[int, str], kills: list[tuple[float, str]], t0: float
     killed_at: dict[str, list[float]] = {}
     for at, pid in kills:
         killed_at.setdefault(pid, []).append(at)
-    count, by, back = 0, {}, []
+    count, by, probes, back = 0, {}, {}, []
     for log in logs.values():
         pending: dict[str, float] = {}  # peer -> when this observer counted it out
         for line in log.splitlines():
@@ -251,10 +251,14 @@ def false_losses(logs: dict[int, str], kills: list[tuple[float, str]], t0: float
                 how = _how(line)
                 by[how] = by.get(how, 0) + 1
                 pending[m[2]] = t
+                if how == "silent":
+                    probe = _probe_end(line)
+                    probes[probe] = probes.get(probe, 0) + 1
     back.sort()
     return {
         "false_losses": count,
         "false_by": dict(sorted(by.items(), key=lambda kv: -kv[1])),
+        "false_silent_probes": dict(sorted(probes.items(), key=lambda kv: -kv[1])),
         "false_back_s_median": round(statistics.median(back), 2) if back else None,
         "false_back_s_p90": round(back[int(0.9 * (len(back) - 1))], 2) if back else None,
     }
@@ -268,6 +272,13 @@ def _uptimes(logs: dict[int, str], kills: list[tuple[float, str]]) -> dict[int, 
         starts = [(_ts(m[1]), m[2]) for m in SERVING.finditer(log)]
         out[i] = [(s, min((t for t, p in kills if p == pid and t > s), default=float("inf"))) for s, pid in starts]
     return out
+
+
+def _probe_end(line: str) -> str:
+    """How the direct probes of a peer counted out by silence went, from its "lost" line (Membership.probe_note):
+    "not probed", or the last probe's end ("answered", a gRPC status, "running")."""
+    m = re.search(r"probed \d+x, last (\w+)", line)
+    return m[1] if m else "not probed"
 
 
 def _how(line: str) -> str:
@@ -382,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"silent past 2x the timeout ({row['observers_down']} observers not running then, not counted) "
                 f"(timeout {row['peer_timeout']}), half the swarm knew after {row['half_detect_s_median']} s "
                 f"(worst kill {row['half_detect_s_max']} s), detected by {row['detected_by']}, "
-                f"{row['false_losses']} live peers counted lost (by {row['false_by']}; heard from again after "
+                f"{row['false_losses']} live peers counted lost (by {row['false_by']}; those by silence, by how their "
+                f"last direct probe ended: {row['false_silent_probes']}; heard from again after "
                 f"{row['false_back_s_median']}/{row['false_back_s_p90']} s, median/p90)",
                 flush=True,
             )

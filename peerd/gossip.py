@@ -181,7 +181,7 @@ class Gossip:
             targets = random.sample(free, min(max(1, 3 - len(self._inflight)), len(free)))
             # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
             chosen = {p.peer_id for p in targets} | set(self._inflight)
-            probes = [p for p in self.d.membership.expiring() if p.peer_id not in chosen and dialable(p)]
+            probes = self.d.membership.expiring(can=lambda p, skip=chosen: p.peer_id not in skip and dialable(p))
             calls = [self._start(p, "down") for p in targets] + [self._start(p, "refused") for p in probes]
             if calls:
                 # Quick answers are merged before the bookkeeping below; a call to a peer behind a cut link runs on
@@ -258,7 +258,7 @@ class Gossip:
             silent = m.silent_for(pid)
             cause = m.unreachable_why(pid)
             why = (
-                f"silent for {silent:.1f}s"
+                f"silent for {silent:.1f}s, {m.probe_note(pid)}"
                 if silent >= m.peer_timeout
                 else "unreachable" + (f" ({cause})" if cause else "")
             )
@@ -318,8 +318,20 @@ class Gossip:
         assert self.d.channels is not None
         view = self.d.membership.gossip_view(limit=self.d.cfg.network.gossip_entries)
         req = sign(pb.GossipRequest(peers=view), "Gossip", self.d.identity, self.d.run_id)
-        t0 = time.monotonic()
         timeout = max(2.0, self.d.cfg.network.gossip_interval)
+        if mark != "refused":
+            return await self._gossip_call(peer, mark, req, timeout) == "answered"
+        self.d.membership.probe_started(peer.peer_id)
+        result = "cancelled"  # unless the call ends: a probe never stays "running" (it holds the peer's verdict)
+        try:
+            result = await self._gossip_call(peer, mark, req, timeout)
+            return result == "answered"
+        finally:
+            self.d.membership.probe_ended(peer.peer_id, result)
+
+    async def _gossip_call(self, peer: pb.PeerInfo, mark: Mark, req: pb.GossipRequest, timeout: float) -> str:
+        """The call itself: "answered", or the gRPC status name it failed with."""
+        t0 = time.monotonic()
         try:
             resp = await self.d.channels.membership(peer.address, peer).Gossip(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
@@ -339,12 +351,12 @@ class Gossip:
                 kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
                 self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}")
             self.d.count_sent("gossip", 0, req.ByteSize())
-            return False
+            return exc.code().name
         self.d.count_sent("gossip", 0, req.ByteSize())
         self.d.timing.local.rtt(peer.peer_id, time.monotonic() - t0)
         self.merge_gossip(resp.peers)
         self.d.reach.observe(peer, resp.observed_address)
-        return True
+        return "answered"
 
     def merge_gossip(self, peers: Any) -> list[str]:
         """Merge gossiped entries; entries not signed by the peer they describe are refused and counted."""

@@ -54,6 +54,9 @@ class Entry:
     step_hint: int = -1  # outer step we know it finished (it was in our round), ahead of its gossip
     last_sent: float = 0.0  # when we last put it in a gossip message (bounded messages go round-robin)
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
+    probes: int = 0  # direct probes since its heartbeat last advanced (the "lost" line says how many, and how)
+    probe_result: str = ""  # how the last one ended: "answered", a gRPC status name, or "" while it runs
+    probing: bool = False  # a probe is in flight: silence does not convict until it ends (bounded by its deadline)
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
 
 
@@ -139,6 +142,7 @@ class Membership:
                 cur.info = copy_peer(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
+                cur.probes, cur.probe_result = 0, ""
         return new
 
     def drain_restarts(self) -> list[tuple[str, int, int]]:
@@ -228,7 +232,7 @@ class Membership:
         return (
             e is not None
             and not e.info.left
-            and now - e.last_advance < self.peer_timeout
+            and (now - e.last_advance < self.peer_timeout or e.probing)
             and now >= e.unreachable_until
             and not self.excluded(peer_id)
         )
@@ -324,20 +328,53 @@ class Membership:
             e.last_sent = now
         return [self.signed_self(), *(e.info for e in live), *tombs]
 
-    def expiring(self, now: float | None = None, at: float = 0.6, most: int = 4) -> list[pb.PeerInfo]:
-        """Live peers whose heartbeat has not advanced here for `at` x peer_timeout and that we have not probed
-        since: dial them directly before they expire. With bounded gossip some entry always reaches some peer late;
-        one direct call then costs less than a false death (a peer dropped from rounds and re-dialled)."""
+    def expiring(
+        self,
+        now: float | None = None,
+        at: float = 0.6,
+        again: float = 0.15,
+        most: int = 4,
+        can: Callable[[pb.PeerInfo], bool] | None = None,
+    ) -> list[pb.PeerInfo]:
+        """Live peers whose heartbeat has not advanced here for `at` x peer_timeout: dial them directly before they
+        expire (`can` says whom the caller can dial now). With bounded gossip some entry always reaches some peer late;
+        one direct call then costs less than a false death (a peer dropped from rounds and re-dialled).
+
+        A probe that found no answer is repeated every `again` x peer_timeout until the entry advances or expires
+        (SWIM's suspicion, in short): at 64 peers on 2 cores one probe at 0.6 T left 96% of the false losses to
+        silence, peers heard from again a median 2.4 s after their verdict. The caller reports each probe's start and
+        end (`probe_started`, `probe_ended`); silence does not convict while one runs."""
         now = time.monotonic() if now is None else now
         out: list[pb.PeerInfo] = []
         for pid, e in sorted(self.entries.items(), key=lambda kv: kv[1].last_advance):
             if len(out) >= most:
                 break
-            stale = at * self.peer_timeout <= now - e.last_advance and e.last_probed <= e.last_advance
-            if stale and self.is_alive(pid, now):
+            due = e.last_probed <= e.last_advance or now - e.last_probed >= again * self.peer_timeout
+            stale = at * self.peer_timeout <= now - e.last_advance and due and not e.probing
+            if stale and self.is_alive(pid, now) and (can is None or can(e.info)):
                 e.last_probed = now
                 out.append(e.info)
         return out
+
+    def probe_started(self, peer_id: str) -> None:
+        e = self.entries.get(peer_id)
+        if e is not None:
+            e.probes += 1
+            e.probing, e.probe_result = True, ""
+
+    def probe_ended(self, peer_id: str, result: str) -> None:
+        """`result`: "answered", or the gRPC status the call ended with."""
+        e = self.entries.get(peer_id)
+        if e is not None:
+            e.probing, e.probe_result = False, result
+
+    def probe_note(self, peer_id: str) -> str:
+        """For the "lost" line: the direct probes since the peer's heartbeat last advanced here, and the last one's
+        end, so a false loss shows whether it was never probed, or probed and not answered in time."""
+        e = self.entries.get(peer_id)
+        if e is None or e.probes == 0:
+            return "not probed"
+        return f"probed {e.probes}x, last {e.probe_result or 'running'}"
 
     def snapshot(self, now: float | None = None) -> View:
         """Publish an immutable view for other threads (called on the loop after every gossip tick)."""

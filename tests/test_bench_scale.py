@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bench.scale import _how, detection, false_losses
+from bench.scale import _how, _probe_end, detection, false_losses
 
 
 def _at(t: float) -> str:
@@ -47,6 +47,9 @@ def test_each_detection_is_put_down_to_what_found_it() -> None:
     assert _how(line + "unreachable (probe UNAVAILABLE) (network.peer_timeout 15.0s)") == "probe"
     assert _how(line + "unreachable (round dial failed) (network.peer_timeout 15.0s)") == "round"
     assert _how(line + "silent for 16.1s (network.peer_timeout 15.0s)") == "silent"
+    assert _how(line + "silent for 15.1s, not probed (network.peer_timeout 15.0s)") == "silent"
+    assert _probe_end(line + "silent for 15.1s, not probed (network.peer_timeout 15.0s)") == "not probed"
+    assert _probe_end(line + "silent for 15.1s, probed 1x, last answered (network.peer_timeout 15.0s)") == "answered"
     assert _how("2026-11-27 22:09:33,994 WARNING peerd: peer 0aa207c5 restarted: a new process") == "restarted"
 
 
@@ -58,7 +61,8 @@ def test_false_losses_count_live_peers_counted_out_and_when_they_were_heard_from
     live, dead, other = "aaaaaaaa", "bbbbbbbb", "cccccccc"
     kills = [(t + 50, dead)]
     logs = {
-        1: f"{_at(t + 10)} WARNING peerd: peer {live} lost: silent for 15.2s (network.peer_timeout 15.0s)\n"
+        1: f"{_at(t + 10)} WARNING peerd: peer {live} lost: silent for 15.2s, probed 2x, last DEADLINE_EXCEEDED "
+        "(network.peer_timeout 15.0s)\n"
         f"{_at(t + 13)} INFO peerd: peer {live} is live again\n"
         f"{_at(t + 55)} WARNING peerd: peer {dead} lost: unreachable (probe UNAVAILABLE) (x)\n"
         f"{_at(t + 500)} WARNING peerd: peer {live} lost: silent for 16.0s (x)\n",  # after the window
@@ -67,4 +71,5 @@ def test_false_losses_count_live_peers_counted_out_and_when_they_were_heard_from
     got = false_losses(logs, kills, t, t + 300)
     assert got["false_losses"] == 2
     assert got["false_by"] == {"silent": 1, "gossip": 1}
+    assert got["false_silent_probes"] == {"DEADLINE_EXCEEDED": 1}
     assert got["false_back_s_median"] == 3.0 and got["false_back_s_p90"] == 3.0
