@@ -322,7 +322,7 @@ class Gossip:
         if mark != "refused":
             return await self._gossip_call(peer, mark, req, timeout) == "answered"
         self.d.membership.probe_started(peer.peer_id)
-        result = "cancelled"  # unless the call ends: a probe never stays "running" (it holds the peer's verdict)
+        result = "cancelled"  # unless the call ends: the "lost" line never says "running" for a probe that is gone
         try:
             result = await self._gossip_call(peer, mark, req, timeout)
             return result == "answered"
