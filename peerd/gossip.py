@@ -165,8 +165,13 @@ class Gossip:
                 task.cancel()
 
     async def _gossip_ticks(self, stopping: asyncio.Event, interval: float) -> None:
+        waited = 0.0  # how long the last tick waited for its calls' answers: part of this tick's interval
         while not stopping.is_set():
-            nap = interval * random.uniform(0.7, 1.0)
+            # One tick per interval, whether or not the last one's calls answered at once: the wait for answers comes
+            # out of the nap. Adding it on top stretched ticks to up to 2 intervals at 64 peers on 2 cores, where
+            # answers are slow: 4.5 gossip messages a second per peer against 6.6 at 8 peers (-20% bytes), and
+            # heartbeats that advance half as often.
+            nap = max(0.0, interval * random.uniform(0.7, 1.0) - waited)
             t0 = time.monotonic()
             await asyncio.sleep(nap)
             self._forgive_stall(time.monotonic() - t0 - nap)
@@ -190,7 +195,11 @@ class Gossip:
                 # (heartbeats 2.2 s apart against a 2 s peer_timeout in tests/test_partition.py).
                 t0 = time.monotonic()
                 await asyncio.wait(calls, timeout=interval)
-                self._forgive_stall(time.monotonic() - t0 - interval)
+                waited = time.monotonic() - t0
+                self._forgive_stall(waited - interval)
+                waited = min(waited, interval)
+            else:
+                waited = 0.0
             view = self.d.membership.snapshot()
             self._note_lost(view.alive)
             self._remember(view.alive)

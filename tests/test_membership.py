@@ -100,6 +100,44 @@ def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
     assert g.stalled_s >= 0.6 and m.is_alive(pid)
 
 
+def test_slow_answers_do_not_stretch_the_gossip_tick() -> None:
+    """The gossip loop ticks once per interval (bumping our heartbeat each time) even when every call takes longer
+    than the interval: the wait for answers comes out of the next nap. Added on top, it stretched ticks to up to two
+    intervals among 64 starved daemons, and heartbeats advanced half as often."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from peerd.gossip import Gossip
+
+    async def main() -> int:
+        me = _info(b"m" * 32, 1)
+        m = Membership(me, peer_timeout=30.0, settle_s=0.0)
+        m.merge([_info(bytes([i + 1]) * 32, 1) for i in range(6)])
+        g = Gossip.__new__(Gossip)
+        g.d = SimpleNamespace(
+            membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
+            checks=SimpleNamespace(refresh_suspects=lambda: None),
+            reach=SimpleNamespace(dial_targets=lambda peers: peers, tick=lambda peers: None),
+        )  # fmt: skip
+        g._inflight, g.stalled_s = {}, 0.0
+        g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+
+        async def slow(peer: pb.PeerInfo, mark: str = "down") -> bool:
+            await asyncio.sleep(0.5)  # every answer takes 2.5 intervals
+            return True
+
+        g._gossip_one = slow  # type: ignore[method-assign]
+        stop = asyncio.Event()
+        ticks = asyncio.ensure_future(g._gossip_ticks(stop, 0.2))
+        await asyncio.sleep(3.0)
+        stop.set()
+        await asyncio.wait_for(ticks, 2)
+        return me.heartbeat - 1
+
+    bumps = asyncio.run(main())
+    assert bumps >= 12, bumps  # 3 s at 0.2 s: about 15 ticks; waits added on top gave about 8
+
+
 def test_a_probe_marks_a_refused_peer_at_once_and_a_frozen_one_never() -> None:
     """A probe of an entry about to expire (`Membership.expiring`) that meets a refused connection (a killed
     process's port: nothing listens) marks the peer unreachable then, instead of leaving it to the rest of its
