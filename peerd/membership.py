@@ -24,7 +24,6 @@ from peerd.identity import peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
 MAX_PEERS = 4096  # a gossip message with more entries than this is refused rather than stored
-FORGIVE_MAX = 0.6  # x peer_timeout: the most of our own stalls credited to one peer's silence (`Membership.forgive`)
 ENTRY_DOMAIN = b"peerd/peerinfo/v1"
 
 
@@ -57,7 +56,6 @@ class Entry:
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
     probes: int = 0  # direct probes since its heartbeat last advanced (the "lost" line says how many, and how)
     probe_result: str = ""  # how the last one ended: "answered", a gRPC status name, or "" while it runs
-    forgiven: float = 0.0  # our own stalls credited to its silence since its heartbeat last advanced (`forgive`)
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
 
 
@@ -143,7 +141,7 @@ class Membership:
                 cur.info = copy_peer(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
-                cur.probes, cur.probe_result, cur.forgiven = 0, "", 0.0
+                cur.probes, cur.probe_result = 0, ""
         return new
 
     def drain_restarts(self) -> list[tuple[str, int, int]]:
@@ -218,20 +216,12 @@ class Membership:
         of the peers, so that time does not count towards anyone's silence (Cassandra's gossiper likewise skips
         convictions after a local pause). At 64 daemons on 2 cores, 73% of "lost: silent" lines came three or more
         at once at one observer, just past the timeout: false losses that each cost rounds a takeover or a relay.
-        Never moves an entry past now; a failed dial (`unreachable_until`) is evidence of its own and stays.
-
-        At most FORGIVE_MAX x peer_timeout per entry until its heartbeat advances again, so a dead peer is still
-        counted out within 1.6 x peer_timeout of wall time at a starved observer: unbounded, forgiving stretched
-        such verdicts to 30-36 s against a 15 s timeout at 64 peers (3-10 of about 4,000 detections a run past
-        twice the timeout)."""
+        Never moves an entry past now; a failed dial (`unreachable_until`) is evidence of its own and stays."""
         if seconds <= 0:
             return
         now = time.monotonic() if now is None else now
-        most = FORGIVE_MAX * self.peer_timeout
         for e in self.entries.values():
-            credit = min(seconds, max(0.0, most - e.forgiven), max(0.0, now - e.last_advance))
-            e.last_advance += credit
-            e.forgiven += credit
+            e.last_advance = min(now, e.last_advance + seconds)
 
     def is_alive(self, peer_id: str, now: float | None = None) -> bool:
         if peer_id == self.me.peer_id:

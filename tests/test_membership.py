@@ -44,39 +44,30 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
 
 
 def test_our_own_stall_does_not_count_towards_anyone_s_silence() -> None:
-    """A starved observer hears nobody while its loop is stalled: that time is forgiven, never past now, and at most
-    0.6 x peer_timeout per peer until its heartbeat advances, so a dead peer is still counted out in time."""
+    """A starved observer hears nobody while its loop is stalled: that time is forgiven, never past now."""
     m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
     a = _info(b"a" * 32, 3)
     m.merge([a], now=0.0)
     assert not m.is_alive(a.peer_id, now=6.0)
     m.forgive(3.0, now=6.0)  # we were stalled for 3 of those 6 s
     assert m.is_alive(a.peer_id, now=6.0) and m.silent_for(a.peer_id, now=6.0) == pytest.approx(3.0)
-    m.forgive(0.5, now=6.0)
-    assert m.silent_for(a.peer_id, now=6.0) == pytest.approx(3.0)  # at most 0.6 x peer_timeout (3 s) in all
-    assert not m.is_alive(a.peer_id, now=8.0)  # 8 s of wall time, 1.6 x the timeout: counted out however starved
-    b = _info(b"b" * 32, 3)
-    m.merge([b], now=6.0)
-    m.forgive(60.0, now=6.5)
-    assert m.silent_for(b.peer_id, now=6.5) == 0.0  # never heard "in the future"
-    m.merge([_info(b"a" * 32, 4)], now=9.0)  # a's heartbeat advanced: its credit starts again
-    m.forgive(2.0, now=13.0)
-    assert m.silent_for(a.peer_id, now=13.0) == pytest.approx(2.0)
-    m.mark_unreachable(a.peer_id, now=13.0)
-    m.forgive(1.0, now=13.5)
-    assert not m.is_alive(a.peer_id, now=13.5)  # a failed dial is evidence of its own
+    m.forgive(60.0, now=6.0)
+    assert m.silent_for(a.peer_id, now=6.0) == 0.0  # never heard "in the future"
+    m.mark_unreachable(a.peer_id, now=6.0)
+    m.forgive(1.0, now=6.5)
+    assert not m.is_alive(a.peer_id, now=6.5)  # a failed dial is evidence of its own
 
 
 def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
     """The gossip loop measures how late its own waits end (an event loop blocked 1 s here, as a daemon among 64
-    on 2 cores is): a peer last heard just before the stall is still alive after it, past its 1.5 s timeout."""
+    on 2 cores is): a peer last heard just before the stall is still alive after it, past its 0.8 s timeout."""
     import asyncio
     from types import SimpleNamespace
 
     from peerd.gossip import Gossip
 
     async def main() -> tuple[Gossip, Membership, str]:
-        m = Membership(_info(b"m" * 32, 1), peer_timeout=1.5, settle_s=0.0)
+        m = Membership(_info(b"m" * 32, 1), peer_timeout=0.8, settle_s=0.0)
         a = _info(b"a" * 32, 3, outbound_only=True)  # nobody dials it: only its silence counts
         g = Gossip.__new__(Gossip)
         g.d = SimpleNamespace(
@@ -90,14 +81,14 @@ def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
         ticks = asyncio.ensure_future(g._gossip_ticks(stop, 0.2))
         await asyncio.sleep(0.3)
         m.merge([a])
-        time.sleep(0.85)  # the loop stalls (0.9 s may be forgiven: 0.6 x the timeout)
-        await asyncio.sleep(0.8)  # 1.65 s since we heard from it
+        time.sleep(1.0)  # the loop stalls
+        await asyncio.sleep(0.3)
         stop.set()
         await asyncio.wait_for(ticks, 2)
         return g, m, a.peer_id
 
     g, m, pid = asyncio.run(main())
-    assert g.stalled_s >= 0.6 and m.is_alive(pid)
+    assert g.stalled_s >= 0.8 and m.is_alive(pid)
 
 
 def test_slow_answers_do_not_stretch_the_gossip_tick() -> None:
