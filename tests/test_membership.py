@@ -58,25 +58,35 @@ def test_our_own_stall_does_not_count_towards_anyone_s_silence() -> None:
     assert not m.is_alive(a.peer_id, now=6.5)  # a failed dial is evidence of its own
 
 
+def _bare_gossip(m: Membership, *, dial: bool):  # -> peerd.gossip.Gossip
+    """A Gossip whose tick loop runs on `m` alone, with a 0.2 s interval: no channels, metrics or timing. With
+    `dial` every live peer is a dial target (the caller replaces `_gossip_one`); without, nobody is dialled."""
+    from types import SimpleNamespace
+
+    from peerd.gossip import Gossip
+
+    g = Gossip.__new__(Gossip)
+    g.d = SimpleNamespace(
+        membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
+        checks=SimpleNamespace(refresh_suspects=lambda: None),
+        reach=SimpleNamespace(dial_targets=(lambda peers: peers) if dial else (lambda peers: []), tick=lambda p: None),
+    )  # fmt: skip
+    g._inflight, g.stalled_s = {}, 0.0
+    g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+    return g
+
+
 def test_the_gossip_loop_forgives_the_time_its_own_loop_stalled() -> None:
     """The gossip loop measures how late its own waits end (an event loop blocked 1 s here, as a daemon among 64
     on 2 cores is): a peer last heard just before the stall is still alive after it, past its 0.8 s timeout."""
     import asyncio
-    from types import SimpleNamespace
 
     from peerd.gossip import Gossip
 
     async def main() -> tuple[Gossip, Membership, str]:
         m = Membership(_info(b"m" * 32, 1), peer_timeout=0.8, settle_s=0.0)
         a = _info(b"a" * 32, 3, outbound_only=True)  # nobody dials it: only its silence counts
-        g = Gossip.__new__(Gossip)
-        g.d = SimpleNamespace(
-            membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
-            checks=SimpleNamespace(refresh_suspects=lambda: None),
-            reach=SimpleNamespace(dial_targets=lambda peers: [], tick=lambda peers: None),
-        )  # fmt: skip
-        g._inflight, g.stalled_s = {}, 0.0
-        g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+        g = _bare_gossip(m, dial=False)
         stop = asyncio.Event()
         ticks = asyncio.ensure_future(g._gossip_ticks(stop, 0.2))
         await asyncio.sleep(0.3)
@@ -96,22 +106,12 @@ def test_slow_answers_do_not_stretch_the_gossip_tick() -> None:
     than the interval: the wait for answers comes out of the next nap. Added on top, it stretched ticks to up to two
     intervals among 64 starved daemons, and heartbeats advanced half as often."""
     import asyncio
-    from types import SimpleNamespace
-
-    from peerd.gossip import Gossip
 
     async def main() -> int:
         me = _info(b"m" * 32, 1)
         m = Membership(me, peer_timeout=30.0, settle_s=0.0)
         m.merge([_info(bytes([i + 1]) * 32, 1) for i in range(6)])
-        g = Gossip.__new__(Gossip)
-        g.d = SimpleNamespace(
-            membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
-            checks=SimpleNamespace(refresh_suspects=lambda: None),
-            reach=SimpleNamespace(dial_targets=lambda peers: peers, tick=lambda peers: None),
-        )  # fmt: skip
-        g._inflight, g.stalled_s = {}, 0.0
-        g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+        g = _bare_gossip(m, dial=True)
 
         async def slow(peer: pb.PeerInfo, mark: str = "down") -> bool:
             await asyncio.sleep(0.5)  # every answer takes 2.5 intervals
