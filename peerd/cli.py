@@ -35,9 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "ensemble-eval", help="per-domain perplexity of domain experts, their mixture, and a same-compute baseline"
     )
-    from peerd.ensemble_eval import add_arguments
-
-    add_arguments(p)
+    # defined here, not in peerd/ensemble_eval.py: that module imports torch, which every `peerd` command (status,
+    # init) would then pay for (1.8 s idle, several seconds on a loaded host) just to build the parser
+    p.add_argument("--expert", action="append", required=True, help="an expert's data dir or checkpoint (repeat)")
+    p.add_argument("--data", action="append", required=True, help="DOMAIN=PATH of held-out text (repeat; PATH '' "
+                   "or 'stdlib': the Python standard library's sources)")  # fmt: skip
+    p.add_argument("--baseline", help="data dir or checkpoint of one model trained on all domains (same compute)")
+    p.add_argument("--batches", type=int, default=8, help="held-out batches per domain")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("start", help="run one peer in the foreground until SIGINT/SIGTERM")
     p.add_argument("--config", required=True, help="run config (see `peerd init`)")

@@ -32,16 +32,6 @@ class Expert:
     tokenizer: str
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expert", action="append", required=True, help="an expert's data dir or checkpoint (repeat)")
-    p.add_argument("--data", action="append", required=True, help="DOMAIN=PATH of held-out text (repeat; PATH '' "
-                   "or 'stdlib': the Python standard library's sources)")  # fmt: skip
-    p.add_argument("--baseline", help="data dir or checkpoint of one model trained on all domains (same compute)")
-    p.add_argument("--batches", type=int, default=8, help="held-out batches per domain")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--json", action="store_true")
-
-
 def load_expert(spec: str) -> Expert:
     """A checkpoint (or a data dir holding checkpoint.pt) rebuilt into its model; one clear line if it cannot be."""
     from peerd.worker import build_run_model, model_seq_len

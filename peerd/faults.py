@@ -13,13 +13,14 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sized
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import torch
 
-from peerd.codecs import Codec
-from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
+if TYPE_CHECKING:  # torch and the codecs only where an injector uses them: `peerd status` imports this module (via
+    import torch  # peerd/channels.py) and must not pay torch's import (seconds on a loaded host) for it
+
+    from peerd.codecs import Codec
 
 T = TypeVar("T", bound=Sized)
 
@@ -62,6 +63,10 @@ def poisoned(vector: torch.Tensor) -> torch.Tensor:
 def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     """Fault injection only (a poisoning peer): frame `x` even when it holds NaN/Inf, which `encode` refuses, the
     way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""
+    import torch
+
+    from peerd.codecs.frame import HEADER_SIZE, TRAILER_SIZE, parse_header, seal_frame
+
     if bool(torch.isfinite(x).all()):
         return codec.encode(x)
     plain = copy.copy(codec)  # the same codec and parameters (block size, sparse density and bits), zstd off

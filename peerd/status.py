@@ -13,7 +13,6 @@ from google.protobuf.json_format import MessageToDict
 
 from peerd import tls
 from peerd.channels import CHANNEL_OPTIONS
-from peerd.robust import majority_suspects
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -203,6 +202,9 @@ def print_status(
 def swarm_flags(alive: list[pb.PeerInfo]) -> dict[str, str]:
     """Peers a strict majority of the other live peers flag from their timings (the daemon's own rule,
     peerd/timings.py), as peer id -> "slow" or "faulty"."""
+    # imported here: peerd/robust.py imports torch, which `peerd status` must not wait on
+    from peerd.robust import majority_suspects
+
     out: dict[str, str] = {}
     for kind in ("slow", "faulty"):
         for pid in majority_suspects({p.peer_id: list(getattr(p, kind)) for p in alive}):

@@ -58,6 +58,21 @@ def test_status_text_and_json(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "cannot get status" in missing.stderr
 
 
+def test_status_and_init_do_not_import_torch(tmp_path: Path) -> None:
+    """`peerd status` is what operators and watchdogs poll: importing torch for it cost 1.8 s idle and several seconds
+    on a loaded host (a partition test's status polls then took ~30 s for four peers and missed the fault's moment).
+    The command paths stay torch-free; torch loads only where training or checkpoints need it."""
+    probe = (
+        "import sys; from peerd.cli import main; "
+        f"main(['init', {str(tmp_path / 'run.toml')!r}]); "
+        "main(['status', '127.0.0.1:1', '--timeout', '0.5', '--insecure']); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
 @pytest.mark.slow
 def test_demo_json_summary(tmp_path: Path) -> None:
     """Also: the demo's temporary directory is gone afterwards, and no progress line shows a 'nan' loss."""
