@@ -44,7 +44,9 @@ def _config(tmp_path: Path, algorithm: str, steps: int, linger: float = 40.0, **
 
 
 def _wait_step(swarm: Any, step: int, timeout: float) -> None:
-    swarm.wait_until(lambda: all(swarm.status(i).outer_step >= step for i in range(swarm.n)), timeout, f"step {step}")
+    """Every peer has logged outer step `step`. Read from the logs: four `peerd status` calls in turn took ~30 s on a
+    loaded CI host while `peerd status` imported torch, and the fault then landed at step 47 of 60, too late to heal."""
+    swarm.wait_until(lambda: all(_logged_step(p) >= step for p in swarm.peers), timeout, f"step {step}")
 
 
 def _logged_step(peer: Any) -> int:
