@@ -43,9 +43,11 @@ class _Pending:
 class Behind(Exception):
     """The caller's step is already done in the swarm; it must download state. `step` is the newest known step."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, since_s: float = 0.0) -> None:
         super().__init__(f"behind: swarm is at step {step}")
         self.step = step
+        # how long ago the round we missed formed at its leader (0: unknown): where the swarm's window clock stands
+        self.since_s = since_s
 
 
 class RendezvousLeader:
@@ -86,6 +88,7 @@ class RendezvousLeader:
         self.newest_step = -1  # the highest step anyone asked us about: a sign that we ourselves are behind
         self.skipping: set[tuple[int, int]] = set()  # (step, fragment) rounds our own peer will not join
         self.handed: dict[tuple[int, int], str] = {}  # (step, fragment) -> the peer we handed its lead on to
+        self.formed_at: dict[Key, float] = {}  # closed groups: monotonic time their first member joined
 
     async def join(
         self,
@@ -115,7 +118,7 @@ class RendezvousLeader:
             if done is not None and failed_round != done.round_id:
                 if any(m.peer_id == info.peer_id and m.incarnation == info.incarnation for m in done.members):
                     return pb.RendezvousResponse(group=done)  # a member asking again; a restarted one is behind
-                return pb.RendezvousResponse(behind=step + 1)
+                return pb.RendezvousResponse(behind=step + 1, behind_ms=self._formed_ms_ago(key))
             if fragment < 0 and behind_me:
                 return pb.RendezvousResponse(behind=self.my_step())
             if fragment >= 0 and self._majority_elsewhere(key):
@@ -155,8 +158,15 @@ class RendezvousLeader:
         assert pend.result is not None
         group = await asyncio.shield(pend.result)
         if not any(m.peer_id == info.peer_id for m in group.members):
-            return pb.RendezvousResponse(behind=step + 1)
+            return pb.RendezvousResponse(behind=step + 1, behind_ms=self._formed_ms_ago(key))
         return pb.RendezvousResponse(group=group)
+
+    def _formed_ms_ago(self, key: Key) -> int:
+        """How long ago the closed group of `key` formed (its first member joined), for a caller told `behind`: a
+        late peer that started its next window at "now" after resyncing missed the swarm's next round too (its pile
+        then two windows long, dropped), where one that starts it at the swarm's boundary meets it."""
+        formed = self.formed_at.get(key)
+        return 0 if formed is None else min(int(1000 * (time.monotonic() - formed)), 2**32 - 1)
 
     def skip(self, step: int, fragments: list[int]) -> None:
         """Our own peer will not join these fragment rounds of `step` (Streaming: it adopted a state at the boundary
@@ -386,10 +396,13 @@ class RendezvousLeader:
         group.join_lag_ms.extend(int(1000 * (pend.joined_at.get(p.peer_id, first) - first)) for p in members)
         group.round_id = round_id(self.run_id, group)
         self.closed[key] = group
+        if pend.joined_at:
+            self.formed_at[key] = first
         if len(self.closed) > 256:  # keep a bounded history
             for old in sorted(self.closed)[:64]:
                 del self.closed[old]
                 self.blamers.pop(old, None)
+                self.formed_at.pop(old, None)
         pend.result.set_result(group)
         self._leave_minorities_behind(key, group)
 

@@ -388,7 +388,7 @@ class RoundClient:
             with self.registry.asking():  # held streams for rounds it does not hand us are answered after it
                 resp = await self._rendezvous(step, fragment, attempt, avoid, failed_round, tokens, carries)
             if resp.WhichOneof("result") == "behind":
-                raise Behind(resp.behind)
+                raise Behind(resp.behind, resp.behind_ms / 1000)
             group = resp.group
             self.my_list.remember(group)
             mine = next((m for m in group.members if m.peer_id == self.d.identity.peer_id), None)

@@ -326,6 +326,23 @@ def test_a_leader_the_swarm_went_past_closes_empty_rather_than_train_alone() -> 
     asyncio.run(main())
 
 
+def test_a_late_joiner_hears_how_long_ago_the_round_it_missed_formed() -> None:
+    """The straggler grace closed the group without `c`; `c` asks later and is told `behind`, with how long ago the
+    group's first member joined, so it can start its next window at the swarm's boundary (peerd/diloco.py)."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        leader = RendezvousLeader(m, b"run", timeout_s=5.0, my_step=lambda: 0, straggler_grace_s=0.2)
+        got = await asyncio.wait_for(asyncio.gather(*(leader.join(0, -1, p, []) for p in (lead, a, b))), 2.0)
+        assert all(r.WhichOneof("result") == "group" for r in got)
+        await asyncio.sleep(0.5)
+        late = await asyncio.wait_for(leader.join(0, -1, c, []), 2.0)
+        assert late.WhichOneof("result") == "behind" and late.behind == 1
+        assert 650 <= late.behind_ms <= 1500, late.behind_ms  # the grace (0.2 s) and our 0.5 s, and no more
+
+    asyncio.run(main())
+
+
 def test_the_leader_does_not_wait_for_a_sponsored_peer_and_names_whose_work_rides_along() -> None:
     """peerd/sponsor.py: a peer whose gossip names a sponsor is not expected in rounds (its work comes through the
     sponsor), also when it turns sponsored while a group already waits for it; the group names the carried peer and

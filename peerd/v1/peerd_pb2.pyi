@@ -382,16 +382,18 @@ class Group(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., members: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., expected: _Optional[_Iterable[str]] = ..., fragment: _Optional[int] = ..., leader: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., no_shards: _Optional[_Iterable[str]] = ..., join_lag_ms: _Optional[_Iterable[int]] = ..., part_bytes: _Optional[int] = ..., carried: _Optional[_Iterable[str]] = ..., carried_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group", "behind", "redirect", "delta")
+    __slots__ = ("group", "behind", "redirect", "delta", "behind_ms")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BEHIND_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_MS_FIELD_NUMBER: _ClassVar[int]
     group: Group
     behind: int
     redirect: PeerInfo
     delta: GroupDelta
-    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ..., delta: _Optional[_Union[GroupDelta, _Mapping]] = ...) -> None: ...
+    behind_ms: int
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., behind: _Optional[int] = ..., redirect: _Optional[_Union[PeerInfo, _Mapping]] = ..., delta: _Optional[_Union[GroupDelta, _Mapping]] = ..., behind_ms: _Optional[int] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
     __slots__ = ("group", "base", "dropped")
