@@ -51,8 +51,13 @@ from peerd.statesync import state_digest
 from trainer.outer import NesterovOuter
 
 log = logging.getLogger("peerd")
-# A contribution covers at most this many windows of work: one missed round (carried), plus the window in progress.
-MAX_PENDING_WINDOWS = 2
+# Missed rounds in a row whose work a late peer carries into the next. Two, not one: a peer whose state arrived a
+# round late (back from sponsorship, or after a heal at its boundary) can find the next round done too before it meets
+# the swarm's clock, and with one its two-window pile was dropped (CI, tests/test_sponsor.py). The owners' norm
+# screen judges a contribution per the work it claims (robust.py), so a longer honest pile is not refused for it.
+CARRY_ROUNDS = 2
+# A contribution covers at most this many windows of work: the carried rounds, plus the window in progress.
+MAX_PENDING_WINDOWS = CARRY_ROUNDS + 1
 UNUSUAL_SIZE = 3.0  # a contribution this many times our recent applied ones' RMS is logged with what sized it
 
 
@@ -197,9 +202,11 @@ class DiLoCo(OuterAlgorithm):
             pending = self._pending(trainer)  # all our work since the last applied round, overlapped steps too
             # The leader saw the newer state before gossip brought it here: give gossip a moment rather than train
             # another window on a state already left behind (its work would then be two windows long: dropped).
+            swarm_boundary = time.monotonic() - exc.since_s  # when the round we missed formed at its leader
             if not trainer.resync(-1, wait_s=2 * trainer.cfg.network.gossip_interval):
                 return None
             self._keep_or_drop(trainer, pending)
+            self._align_after_behind(exc.since_s, swarm_boundary)
             return StepDone(trainer.outer_step)
         except (RoundFailed, concurrent.futures.CancelledError) as exc:
             # Keep our local progress and try again at the next outer step; never crash the peer.
@@ -244,6 +251,18 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
 
+    def _align_after_behind(self, since_s: float, swarm_boundary: float) -> None:
+        """Windowed runs: start the next window where the swarm's started (the leader said when the round we missed
+        formed), not when our resync ended. From "now" a late peer stayed as late as it was, plus the resync, and
+        missed the swarm's next round too: its carried pile was then two windows long and dropped (a sponsored
+        peer's probe back into rounds lost a window so in CI). Never further back than one window: then the next
+        round is due at once."""
+        if self.window_s <= 0 or since_s <= 0:
+            return
+        now = time.monotonic()
+        self.window_start = max(swarm_boundary, now - self.window_s)
+        log.info("next window aligned with the swarm's: it started %.2f s ago", now - self.window_start)
+
     def _note_size(self, trainer: Trainer, step: int, sent_rms: float) -> None:
         """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen
         (robust.max_norm_ratio) refuses one 10x theirs per claimed work. At 64 peers under churn honest peers'
@@ -274,16 +293,16 @@ class DiLoCo(OuterAlgorithm):
     def _keep_or_drop(self, trainer: Trainer, pending: torch.Tensor) -> None:
         """The swarm moved on without us and we adopted its state. "carry": put our pending pseudo-gradient back on
         top of the new global (local = global - pending), so the next round includes it with its tokens; its
-        staleness is one outer step. "discard": start over from the swarm's state.
+        staleness is the rounds it missed. "discard": start over from the swarm's state.
 
-        Work is carried over one missed round at most, and only one window of it: a peer that keeps missing rounds
-        (a joiner behind a fast swarm, a peer far slower than the window, a round it found already done before gossip
-        named a better state) would otherwise pile up a pseudo-gradient many windows long and one round stale. The
-        owners' norm screen divides its token weight out and allows for the work it claims, but claims count for at
-        most rendezvous.MAX_WEIGHT_RATIO x the group's lower median, so a long enough pile is refused (and banned
-        after repeats)."""
+        Work is carried over CARRY_ROUNDS missed rounds in a row at most, as a pile of as many windows: a peer that
+        keeps missing rounds (a joiner behind a fast swarm, a peer far slower than the window) would otherwise pile
+        up a pseudo-gradient many windows long and many rounds stale. The owners' norm screen divides its token
+        weight out and allows for the work it claims, but claims count for at most rendezvous.MAX_WEIGHT_RATIO x the
+        group's lower median, so a long enough pile is refused (and banned after repeats)."""
         self.window_start = time.monotonic()
-        if self.carry and self.steps_pending and self.carried_in_a_row < 1 and self.windows_pending <= 1:
+        short = self.carried_in_a_row < CARRY_ROUNDS and self.windows_pending <= CARRY_ROUNDS
+        if self.carry and self.steps_pending and short:
             self.carried_in_a_row += 1
             local = self.global_params.to(pending.device) - pending
             trainer.layout.unflatten_into(local, trainer.model)

@@ -63,6 +63,7 @@ class FakeSwarm:
     others: Callable[[int, int, torch.Tensor], list[torch.Tensor]] = lambda step, fragment, v: []
     fail: set[tuple[int, int]] = field(default_factory=set)
     behind: dict[tuple[int, int], int] = field(default_factory=dict)
+    behind_since_s: float = 0.0  # with `behind`: how long ago the leader says the missed round formed (0: unknown)
     best: Claim | None = None
     state: StateSnapshot | None = None
     partners: Callable[[int, Mapping[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]] | None = None
@@ -95,7 +96,7 @@ class FakeSwarm:
             self.fail.discard((step, fragment))
             raise RoundFailed("injected", set(), "timeout")
         if (step, fragment) in self.behind:
-            raise Behind(self.behind[(step, fragment)])
+            raise Behind(self.behind[(step, fragment)], self.behind_since_s)
         contributions = [vector.detach().float().cpu(), *self.others(step, fragment, vector)]
         ids = [ME] + [f"p{i}" for i in range(1, len(contributions))]
         average = torch.stack(contributions).mean(0)

@@ -223,23 +223,73 @@ def test_diloco_late_peer_carries_its_work_into_the_next_round(tmp_path: Path) -
     assert swarm.tokens == [300, 600]  # every step's tokens go with it
 
 
-def test_diloco_carries_one_window_of_work_at_most(tmp_path: Path) -> None:
-    """Work that already missed a round (it failed) and then finds the swarm ahead is two windows long: it is dropped,
-    not carried. Carried, it would go out weighted up by its tokens and twice as long, and the owners' norm screen
-    refused exactly that from an honest restarted peer."""
-    swarm = FakeSwarm(fail={(0, -1)}, behind={})
-    trainer = setup(tmp_path, "diloco", swarm)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_diloco_late_peer_starts_its_next_window_where_the_swarms_started(tmp_path: Path, overlap: bool) -> None:
+    """Told `behind` with how long ago the missed round formed (RendezvousResponse.behind_ms), the late peer carries
+    its work and starts its next window at that moment, not when its resync ended: so it meets the swarm's next
+    round instead of missing it too (then its two-window pile is dropped). Never more than a window back."""
+    swarm = FakeSwarm(behind={(0, -1): 1, (1, -1): 2}, behind_since_s=30.0)
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": overlap}, inner={"window_s": 100.0})
+    alg = trainer.algorithm
     served = {
         "params": torch.linspace(-1, 1, trainer.layout.numel),
         "outer_momentum": torch.zeros(trainer.layout.numel),
     }
+    swarm.state = StateSnapshot(1, served, work=20)
+    alg.window_start = time.monotonic() - 100.5  # our boundary: the round answers that the swarm is past it
+    done = [trainer.inner_step() for _ in range(2 if overlap else 1)][-1]
+    assert done == StepDone(1) and alg.carried_steps == (2 if overlap else 1)
+    assert alg.window_start == pytest.approx(time.monotonic() - 30.0, abs=0.5)  # the swarm's boundary, not now
+    swarm.behind_since_s = 500.0  # more than a window ago: the next round is due at once
+    swarm.state = StateSnapshot(2, served, work=30)
+    trainer.layout.unflatten_into(served["params"], trainer.model)
+    alg.window_start = time.monotonic() - 100.5
+    [trainer.inner_step() for _ in range(2 if overlap else 1)]
+    assert trainer.adopted[-1] == (2, "behind")
+    assert alg.window_start == pytest.approx(time.monotonic() - 100.0, abs=0.5)
+
+
+def _state(trainer: FakeTrainer, step: int) -> StateSnapshot:
+    served = {
+        "params": torch.linspace(-1, 1, trainer.layout.numel),
+        "outer_momentum": torch.zeros(trainer.layout.numel),
+    }
+    return StateSnapshot(step, served, work=10 * step)
+
+
+def test_diloco_carries_two_missed_rounds_in_a_row(tmp_path: Path) -> None:
+    """A late peer whose state arrived a round late can find the next round done too before it meets the swarm's
+    clock (seen in CI: a sponsored peer back in rounds). Both windows of its work are carried into the round after,
+    with their tokens, rather than dropped at the second miss."""
+    swarm = FakeSwarm(behind={(0, -1): 5})
+    trainer = setup(tmp_path, "diloco", swarm)
+    swarm.state = _state(trainer, 5)
+    assert [trainer.inner_step() for _ in range(3)][-1] == StepDone(5)  # window 1: behind, carried
+    swarm.behind[(5, -1)] = 6
+    swarm.state = _state(trainer, 6)
+    assert [trainer.inner_step() for _ in range(3)][-1] == StepDone(6)  # window 2: behind again, carried again
+    assert trainer.algorithm.carried_steps == 3 + 6 and trainer.algorithm.discarded_steps == 0
+    done = [trainer.inner_step() for _ in range(3)][-1]  # window 3: the round takes all three windows' work
+    assert done is not None and done.step == 7 and swarm.calls[-1] == (6, -1)
+    assert torch.allclose(swarm.vectors[-1], torch.full((trainer.layout.numel,), -0.09))
+    assert swarm.tokens[-1] == 900
+
+
+def test_diloco_carries_two_windows_of_work_at_most(tmp_path: Path) -> None:
+    """Work that missed two rounds (one failed, one found the swarm ahead) and then finds the swarm ahead again is
+    three windows long: it is dropped, not carried into a fourth, as the owners' claim cap would refuse it."""
+    swarm = FakeSwarm(fail={(0, -1)})
+    trainer = setup(tmp_path, "diloco", swarm)
     assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 1: the round failed, work kept
     swarm.behind[(0, -1)] = 5
-    swarm.state = StateSnapshot(5, served, work=20)
-    done = [trainer.inner_step() for _ in range(3)][-1]  # window 2: the swarm is ahead
-    assert done == StepDone(5) and trainer.adopted == [(5, "behind")]
-    assert torch.equal(flat(trainer), served["params"])  # six steps of work, dropped
-    assert trainer.algorithm.discarded_steps == 6 and trainer.algorithm.carried_steps == 0
+    swarm.state = _state(trainer, 5)
+    assert [trainer.inner_step() for _ in range(3)][-1] == StepDone(5)  # window 2: the swarm is ahead: carried
+    assert trainer.algorithm.carried_steps == 6
+    swarm.behind[(5, -1)] = 6
+    swarm.state = _state(trainer, 6)
+    assert [trainer.inner_step() for _ in range(3)][-1] == StepDone(6)  # window 3: ahead again: nine steps dropped
+    assert torch.equal(flat(trainer), swarm.state.tensors["params"])
+    assert trainer.algorithm.discarded_steps == 9 and trainer.algorithm.carried_steps == 6
 
 
 # -- NoLoCo ---------------------------------------------------------------------------------------------------------
@@ -410,19 +460,20 @@ def test_streaming_error_feedback_carries_what_the_codec_dropped(tmp_path: Path)
     assert torch.equal(swarm.vectors[2], seen[-1][1] + residual)
 
 
-def test_diloco_drops_work_that_no_round_took_for_two_windows(tmp_path: Path) -> None:
+def test_diloco_drops_work_that_no_round_took_for_three_windows(tmp_path: Path) -> None:
     """Rounds that keep failing (or answering "behind" when nobody holds a better state) must not let pending work
-    grow without bound: three windows long, it would be refused by the owners' norm screen, and the peer banned."""
+    grow without bound (diloco.MAX_PENDING_WINDOWS): four windows long, it would weigh past the owners' claim cap."""
     swarm = FakeSwarm(fail={(0, -1)})
     trainer = setup(tmp_path, "diloco", swarm)
     g0 = flat(trainer)
     assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 1: failed, kept
-    swarm.fail.add((0, -1))
-    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 2: failed, kept
-    assert torch.allclose(flat(trainer), g0 + 0.06)
-    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 3: too long, dropped, no round
-    assert torch.equal(flat(trainer), g0) and trainer.algorithm.discarded_steps == 9
-    assert swarm.calls == [(0, -1), (0, -1)]
+    for _ in range(2):  # windows 2 and 3: failed, kept
+        swarm.fail.add((0, -1))
+        assert [trainer.inner_step() for _ in range(3)] == [None] * 3
+    assert torch.allclose(flat(trainer), g0 + 0.09)
+    assert [trainer.inner_step() for _ in range(3)] == [None] * 3  # window 4: too long, dropped, no round
+    assert torch.equal(flat(trainer), g0) and trainer.algorithm.discarded_steps == 12
+    assert swarm.calls == [(0, -1)] * 3
     done = [trainer.inner_step() for _ in range(3)][-1]  # a fresh window contributes again
     assert done is not None and done.step == 1
     assert torch.allclose(swarm.vectors[-1], torch.full_like(g0, -0.03))

@@ -292,8 +292,10 @@ def test_a_sponsored_peer_whose_link_recovers_rejoins_rounds(tmp_path: Path) -> 
     """Its link 10x slower, the peer turns sponsored; then the link gets its full rate back (tc, in place). The next
     probe (outer.sponsor_probe: after 2 sponsored contributions here) finds rounds keep up with it: the swarm lifts
     its slow flag, and it is a full member again, owning a shard, with every peer on one model."""
-    # 2 s windows: on 1 s windows a peer back from sponsorship sometimes found two rounds in a row done before it
-    # joined, and the late-peer rule (carry once, one window) dropped a window of its work (README, "Known limits")
+    # 2 s windows. A peer back from sponsorship can find two rounds in a row done before it meets the swarm's clock:
+    # it carries both (diloco.CARRY_ROUNDS) and aligns its window with the leader's (RendezvousResponse.behind_ms).
+    # With one carry it dropped a window's work here in CI. On 1 s windows under load the swarm once flagged the
+    # recovered peer slow again (3 probes, 3 recoveries), which this test's count of one does not allow for.
     cfg = tiny_config(
         tmp_path, run__outer_steps=35, inner__steps=10, inner__window_s=2.0, outer__sponsor_probe=2
     )  # fmt: skip
@@ -312,7 +314,8 @@ def test_a_sponsored_peer_whose_link_recovers_rejoins_rounds(tmp_path: Path) -> 
     slow_id = summaries[3]["peer_id"]
     mine = summaries[3]["sponsored"]
     assert mine["sent"] >= 1 and mine["probes"] >= 1 and mine["recovered"] == 1, mine
-    assert summaries[3]["discarded_steps"] == 0
+    why = [ln for ln in log.splitlines() if "dropping" in ln or "discarded" in ln or "already done" in ln]
+    assert summaries[3]["discarded_steps"] == 0, why
     # Its own record holds the last rounds too: it was a member of them, not work a sponsor carried
     assert summaries[3]["rounds"][-1]["step"] >= summaries[0]["rounds"][-1]["step"] - 1, _rows(summaries[3], slow_id)
     for s in summaries[:3]:
