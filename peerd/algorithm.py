@@ -68,6 +68,7 @@ class Trainer(Protocol):
     data_dir: Path
     swarm: Swarm
     tokens_per_step: int  # tokens one inner step trains on (the weight of a contribution is counted in these)
+    heal_boundary: float  # see heal()
 
     @property
     def outer_step(self) -> int: ...
@@ -79,7 +80,8 @@ class Trainer(Protocol):
         """The inner optimizer's state in a few words, for a log line about an unusual contribution."""
 
     def heal(self) -> bool:
-        """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed."""
+        """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed. Sets
+        `heal_boundary`: when gossip first showed the adopted state's step (monotonic; 0: unknown)."""
 
     def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
         """Download the canonical state (at least `min_step`) and continue from it; True when adopted. `wait_s`:

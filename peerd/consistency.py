@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from peerd.v1 import peerd_pb2 as pb
 
@@ -33,6 +33,9 @@ class Claim:
     step: int
     digest: bytes
     peer_id: str = ""
+    # How long ago gossip first showed any peer at this claim's step (0: unknown); not part of the rank. A peer that
+    # adopts the state starts its next window there, where the swarm's started (peerd/diloco.py).
+    seen_s: float = field(default=0.0, compare=False)
 
     @property
     def rank(self) -> tuple[int, int, bytes]:

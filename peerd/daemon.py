@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -284,7 +285,7 @@ class Daemon:
             # than everyone else's, so it was late again (see README "Slow and uneven peers", known limits)
             straggler_grace_s=min(max(1.0, 0.25 * window), self.cfg.network.rendezvous_timeout) if window else 0.0,
             flagged=self.timing.is_flagged,
-            stream_rate=self._stream_rate,
+            stream_rate=self.stream_rate,
         )
         self._start_metrics()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -327,8 +328,9 @@ class Daemon:
         self._tasks.append(asyncio.ensure_future(self.gossip.redial_loop(self._stopping)))
         self._tasks.append(asyncio.ensure_future(self.relay_client.run()))
 
-    def _stream_rate(self, peer_id: str) -> float:
-        """The median bytes/s we measured of `peer_id`'s round streams (0: none yet), for the round's part size."""
+    def stream_rate(self, peer_id: str) -> float:
+        """The median bytes/s we measured of `peer_id`'s round streams (0: none yet): the round's part size, and
+        whom a state download asks first (peerd/statefetch.py)."""
         stats = self.timing.local.peers.get(peer_id)
         return stats.median("throughput") if stats is not None else 0.0
 
@@ -492,7 +494,7 @@ class Daemon:
             mine = self.my_claim()
             others = [claim_of(p) for p in self.membership.alive(include_self=False) if p.outer_step >= min_step]
             top = best_claim(mine, others)
-            return None if top.same_state(mine) else top
+            return None if top.same_state(mine) else replace(top, seen_s=self.membership.step_age(top.step))
 
         return self.call(best(), timeout=10.0)
 

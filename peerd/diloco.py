@@ -155,6 +155,7 @@ class DiLoCo(OuterAlgorithm):
         pending = self._pending(trainer)
         if trainer.heal():  # a better state than ours is live (we are behind, or lost a split): adopt it
             self._keep_or_drop(trainer, pending)
+            self._align_window(trainer.heal_boundary, "gossip first showed its state")
             return None
         step = trainer.outer_step
         norm = float(torch.linalg.vector_norm(pending))  # one pass over the vector, for the size line and sponsoring
@@ -206,7 +207,7 @@ class DiLoCo(OuterAlgorithm):
             if not trainer.resync(-1, wait_s=2 * trainer.cfg.network.gossip_interval):
                 return None
             self._keep_or_drop(trainer, pending)
-            self._align_after_behind(exc.since_s, swarm_boundary)
+            self._align_window(swarm_boundary if exc.since_s > 0 else 0.0, "the round we missed formed")
             return StepDone(trainer.outer_step)
         except (RoundFailed, concurrent.futures.CancelledError) as exc:
             # Keep our local progress and try again at the next outer step; never crash the peer.
@@ -251,17 +252,18 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
 
-    def _align_after_behind(self, since_s: float, swarm_boundary: float) -> None:
-        """Windowed runs: start the next window where the swarm's started (the leader said when the round we missed
-        formed), not when our resync ended. From "now" a late peer stayed as late as it was, plus the resync, and
-        missed the swarm's next round too: its carried pile was then two windows long and dropped (a sponsored
-        peer's probe back into rounds lost a window so in CI). Never further back than one window: then the next
-        round is due at once."""
-        if self.window_s <= 0 or since_s <= 0:
+    def _align_window(self, boundary: float, what: str) -> None:
+        """Windowed runs, after adopting the swarm's newer state: start the next window at `boundary` (monotonic;
+        0: unknown), where the swarm's started: when the round we missed formed at its leader (a "behind" answer),
+        or when gossip first showed the state (a heal at our boundary). From "now" a late peer stayed as late as it
+        was, plus the download, and missed round after round: in CI a peer late once at the start found the swarm
+        ahead at each of its next 15 boundaries and carried or dropped every window's work, never in a round. Never
+        further back than one window: then the next round is due at once."""
+        if self.window_s <= 0 or boundary <= 0:
             return
         now = time.monotonic()
-        self.window_start = max(swarm_boundary, now - self.window_s)
-        log.info("next window aligned with the swarm's: it started %.2f s ago", now - self.window_start)
+        self.window_start = max(boundary, now - self.window_s)
+        log.info("next window aligned with the swarm's (%s): it started %.2f s ago", what, now - self.window_start)
 
     def _note_size(self, trainer: Trainer, step: int, sent_rms: float) -> None:
         """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen

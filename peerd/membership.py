@@ -95,6 +95,7 @@ class Membership:
         # majority of the swarm (peerd/robust.py). Set by the daemon.
         self.excluded: Callable[[str], bool] = lambda peer_id: False
         self.view = View((), 0, ())
+        self.step_seen: dict[int, float] = {}  # outer step -> when gossip first showed a peer at it (the last 16)
 
     @property
     def self_id(self) -> str:
@@ -142,7 +143,20 @@ class Membership:
                 cur.last_advance = now
                 cur.unreachable_until = 0.0
                 cur.probes, cur.probe_result = 0, ""
+            self._note_step(int(info.outer_step), now)
         return new
+
+    def _note_step(self, step: int, now: float) -> None:
+        if step > 0 and step not in self.step_seen:
+            self.step_seen[step] = now
+            if len(self.step_seen) > 16:
+                del self.step_seen[min(self.step_seen)]
+
+    def step_age(self, step: int, now: float | None = None) -> float:
+        """Seconds since gossip first showed a peer at outer step `step` (0: not seen, or too long ago): about when
+        the swarm finished the round before it, so where its current window started."""
+        seen = self.step_seen.get(step)
+        return 0.0 if seen is None else (time.monotonic() if now is None else now) - seen
 
     def drain_restarts(self) -> list[tuple[str, int, int]]:
         """The restarts seen since the last call (bounded by MAX_PEERS between drains)."""

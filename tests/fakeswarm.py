@@ -5,6 +5,7 @@ real-process tests, they do not replace them: the swarm here is a script of what
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,7 @@ class FakeTrainer:
         self.states: list[str] = []
         self.algorithm: Any = None
         self.tokens_per_step = 100
+        self.heal_boundary = 0.0
 
     def inner_step(self, delta: float = 0.01) -> Any:
         """One "inner step" (every parameter += delta), then the algorithm's hook; applies what it returns."""
@@ -245,7 +247,10 @@ class FakeTrainer:
 
     def heal(self) -> bool:
         best = self.swarm.canonical()
-        return best is not None and self.resync(-1)
+        if best is None:
+            return False
+        self.heal_boundary = time.monotonic() - best.seen_s if best.seen_s > 0 else 0.0
+        return self.resync(-1)
 
     def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
         try:

@@ -249,6 +249,24 @@ def test_diloco_late_peer_starts_its_next_window_where_the_swarms_started(tmp_pa
     assert alg.window_start == pytest.approx(time.monotonic() - 100.0, abs=0.5)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_diloco_healed_at_its_boundary_starts_the_next_window_where_the_swarms_started(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """At our boundary gossip shows the swarm a step ahead (first seen 1.5 s ago): we adopt its state, carry our work,
+    and start the next window 1.5 s back, not at "now". Seen in CI: a peer late once at the start found the swarm
+    ahead at each of its next 15 boundaries, and never joined a round."""
+    swarm = FakeSwarm()
+    trainer = setup(tmp_path, "diloco", swarm, outer={"overlap": overlap}, inner={"window_s": 100.0})
+    alg = trainer.algorithm
+    swarm.state = _state(trainer, 1)
+    swarm.best = Claim(work=10, step=1, digest=b"d" * 32, peer_id="p1", seen_s=1.5)
+    alg.window_start = time.monotonic() - 100.5
+    assert trainer.inner_step() is None and trainer.adopted == [(1, "behind")] and swarm.calls == []
+    assert alg.carried_steps == 1
+    assert alg.window_start == pytest.approx(time.monotonic() - 1.5, abs=0.5)
+
+
 def _state(trainer: FakeTrainer, step: int) -> StateSnapshot:
     served = {
         "params": torch.linspace(-1, 1, trainer.layout.numel),

@@ -43,6 +43,19 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
     assert m.merge([forged, _info(b"m" * 32, 99)], now=3.0) == []
 
 
+def test_the_table_remembers_when_gossip_first_showed_each_outer_step() -> None:
+    """Where the swarm's window clock stands: a peer that adopts the state of step k starts its next window when k
+    first showed (peerd/diloco.py), not when its own download ended."""
+    m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+    a, b = b"a" * 32, b"b" * 32
+    m.merge([_info(a, 1, outer_step=3)], now=10.0)
+    m.merge([_info(b, 1, outer_step=3), _info(a, 2, outer_step=4)], now=12.0)  # b reaches 3 later: still 10.0
+    assert m.step_age(3, now=15.0) == 5.0 and m.step_age(4, now=15.0) == 3.0 and m.step_age(5, now=15.0) == 0.0
+    for hb, step in enumerate(range(5, 40), start=3):  # a bounded record: the last 16 steps
+        m.merge([_info(a, hb, outer_step=step)], now=20.0)
+    assert len(m.step_seen) == 16 and m.step_age(3, now=21.0) == 0.0 and m.step_age(39, now=21.0) == 1.0
+
+
 def test_our_own_stall_does_not_count_towards_anyone_s_silence() -> None:
     """A starved observer hears nobody while its loop is stalled: that time is forgiven, never past now."""
     m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
