@@ -168,3 +168,19 @@ def test_a_partial_state_download_patches_only_the_changed_fragments() -> None:
         check_ranges([0, 9], 8)  # past the end: refused before anything is read
     with pytest.raises(StreamError):
         check_ranges([0], 8)
+
+
+def test_a_state_download_asks_the_best_claim_first_then_the_fastest_uplink() -> None:
+    """peerd/statefetch.py holder_order: rank decides (the split-brain rule), and among holders of the same state the
+    uplink we measured in rounds, so a holder on a slow link is asked after the fast one, and one never measured
+    last."""
+    from peerd.statefetch import holder_order
+
+    def holder(pid: str, work: int, digest: bytes) -> pb.PeerInfo:
+        return pb.PeerInfo(peer_id=pid, work=work, outer_step=5, state_digest=digest)
+
+    slow, fast, unmeasured = holder("slow", 20, b"a"), holder("fast", 20, b"a"), holder("new", 20, b"a")
+    better = holder("better", 21, b"b")
+    rates = {"slow": 250e3, "fast": 50e6}
+    order = holder_order([slow, unmeasured, fast, better], lambda pid: rates.get(pid, 0.0))
+    assert [p.peer_id for p in order] == ["better", "fast", "slow", "new"]
