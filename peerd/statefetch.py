@@ -40,14 +40,11 @@ def differing_ranges(
 
 
 def holder_order(live: list[pb.PeerInfo], rate: Callable[[str], float]) -> list[pb.PeerInfo]:
-    """Whom to download from, in turn: the highest-ranked claim first (the split-brain rule), then the holders of the
-    state most peers hold (among claims of equal rank, the one more peers vouch for), then the fastest uplink we
-    measured in rounds (`rate`: bytes/s, 0 when unmeasured). In CI a peer on a 2 Mbit/s uplink served every other
-    whole state in 5 s, longer than the 3 s window, and kept the downloading peer a round behind for 15 rounds."""
-    votes: dict[bytes, int] = {}
-    for p in live:
-        votes[bytes(p.state_digest)] = votes.get(bytes(p.state_digest), 0) + 1
-    return sorted(live, key=lambda p: (claim_of(p).rank, votes[bytes(p.state_digest)], rate(p.peer_id)), reverse=True)
+    """Whom to download from, in turn: the highest-ranked claim first (the split-brain rule), then, among holders of
+    that same state (equal rank means equal digest), the fastest uplink we measured in rounds (`rate`: bytes/s, 0 when
+    unmeasured). In CI a peer on a 2 Mbit/s uplink served every other whole state in 5 s, longer than the 3 s window,
+    and kept the downloading peer a round behind for 15 rounds."""
+    return sorted(live, key=lambda p: (claim_of(p).rank, rate(p.peer_id)), reverse=True)
 
 
 async def fetch_state(
