@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from peerd.beats import BeatChain, hashes_to
 from peerd.identity import peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
@@ -28,10 +29,14 @@ ENTRY_DOMAIN = b"peerd/peerinfo/v1"
 
 
 def entry_bytes(info: pb.PeerInfo, run_id: bytes) -> bytes:
-    """What a peer signs about itself: its entry with the signature cleared, bound to the run."""
+    """What a peer signs about itself: its entry with the signature cleared, bound to the run. With a heartbeat chain
+    (peerd/beats.py) the heartbeat and its proof are left out too: the chain proves those."""
     body = pb.PeerInfo()
     body.CopyFrom(info)
     body.ClearField("signature")
+    if info.beat_anchor:
+        body.ClearField("heartbeat")
+        body.ClearField("beat_proof")
     return ENTRY_DOMAIN + run_id + body.SerializeToString(deterministic=True)
 
 
@@ -41,8 +46,14 @@ def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes])
     return info
 
 
+def beat_proven(info: pb.PeerInfo) -> bool:
+    """An entry's heartbeat is its subject's: its chain value hashes to the signed anchor (an entry without a chain has
+    the heartbeat under its signature)."""
+    return not info.beat_anchor or hashes_to(info.beat_proof, info.heartbeat - info.beat_base, info.beat_anchor)
+
+
 def entry_is_signed(info: pb.PeerInfo, run_id: bytes) -> bool:
-    return verify(info.public_key, info.signature, entry_bytes(info, run_id))
+    return beat_proven(info) and verify(info.public_key, info.signature, entry_bytes(info, run_id))
 
 
 @dataclass
@@ -56,6 +67,7 @@ class Entry:
     last_probed: float = 0.0  # when we last dialled it because its entry was about to expire
     probes: int = 0  # direct probes since its heartbeat last advanced (the "lost" line says how many, and how)
     probe_result: str = ""  # how the last one ended: "answered", a gRPC status name, or "" while it runs
+    body: bytes = b""  # the signed body of `info` as checked (entry_bytes): a later heartbeat of it needs only a hash
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
 
 
@@ -86,6 +98,7 @@ class Membership:
         self.forget_after = forget_after
         self._sign = sign
         self._signed_body = b""
+        self._chain: BeatChain | None = None  # proves our heartbeats between signatures (peerd/beats.py)
         self.entries: dict[str, Entry] = {}
         self.forged = 0  # entries refused because their signature does not check out
         # (peer id, old incarnation, new incarnation) for each restart gossip revealed since the last drain: the old
@@ -106,8 +119,13 @@ class Membership:
         self.me.heartbeat += 1
 
     def signed_self(self) -> pb.PeerInfo:
-        """Our own entry, re-signed if anything in it changed since the last signature."""
+        """Our own entry with the proof of its heartbeat, re-signed if anything else in it changed since the last
+        signature, or the heartbeat ran past its chain."""
         if self._sign is not None:
+            if self._chain is None or not self._chain.covers(self.me.heartbeat):
+                self._chain = BeatChain(self.me.heartbeat)
+                self.me.beat_anchor, self.me.beat_base = self._chain.anchor, self._chain.base
+            self.me.beat_proof = self._chain.proof(self.me.heartbeat)
             body = entry_bytes(self.me, self.run_id)
             if body != self._signed_body or not self.me.signature:
                 sign_entry(self.me, self.run_id, self._sign)
@@ -128,13 +146,15 @@ class Membership:
                 continue
             if cur is None and len(self.entries) >= MAX_PEERS and not self._evict_one():
                 continue
-            if self._sign is not None and not entry_is_signed(info, self.run_id):
+            body = self._authentic(info, cur)
+            if body is None:
                 self.forged += 1
                 continue
             if cur is None:
-                self.entries[pid] = Entry(copy_peer(info), now, now)
+                self.entries[pid] = Entry(copy_peer(info), now, now, body=body)
                 new.append(pid)
             else:
+                cur.body = body
                 if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
@@ -145,6 +165,24 @@ class Membership:
                 cur.probes, cur.probe_result = 0, ""
             self._note_step(int(info.outer_step), now)
         return new
+
+    def _authentic(self, info: pb.PeerInfo, cur: Entry | None) -> bytes | None:
+        """`info`'s signed body if its subject vouches for it, else None. A newer heartbeat of the body we already
+        checked costs a hash or two (its chain value hashes to the one we hold); anything else, a signature check."""
+        if self._sign is None:
+            return b""
+        body = entry_bytes(info, self.run_id)
+        if (
+            cur is not None
+            and info.beat_anchor
+            and cur.body == body
+            and info.signature == cur.info.signature
+            and cur.info.beat_proof
+        ):
+            steps = info.heartbeat - cur.info.heartbeat
+            return body if hashes_to(info.beat_proof, steps, cur.info.beat_proof) else None
+        ok = beat_proven(info) and verify(info.public_key, info.signature, body)
+        return body if ok else None
 
     def _note_step(self, step: int, now: float) -> None:
         if step > 0 and step not in self.step_seen:
@@ -194,10 +232,11 @@ class Membership:
             return
         if (info.incarnation, info.heartbeat) <= (entry.info.incarnation, entry.info.heartbeat):
             return
-        if self._sign is not None and not entry_is_signed(info, self.run_id):
+        body = self._authentic(info, entry)
+        if body is None:
             self.forged += 1
             return
-        entry.info = copy_peer(info)
+        entry.info, entry.body = copy_peer(info), body
         entry.last_advance = now
 
     def note_step(self, peer_id: str, step: int) -> None:
