@@ -20,40 +20,45 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from peerd.beats import BeatChain, hashes_to
+from peerd.beats import BeatChain, hash_up, hashes_to
 from peerd.identity import peer_id_of, verify
 from peerd.v1 import peerd_pb2 as pb
 
 MAX_PEERS = 4096  # a gossip message with more entries than this is refused rather than stored
 ENTRY_DOMAIN = b"peerd/peerinfo/v1"
+CHAINED_DOMAIN = b"peerd/peerinfo/v2"  # an entry whose heartbeat a hash chain proves (peerd/beats.py)
 
 
-def entry_bytes(info: pb.PeerInfo, run_id: bytes) -> bytes:
+def entry_bytes(info: pb.PeerInfo, run_id: bytes, anchor: bytes = b"") -> bytes:
     """What a peer signs about itself: its entry with the signature cleared, bound to the run. With a heartbeat chain
-    (peerd/beats.py) the heartbeat and its proof are left out too: the chain proves those."""
+    (`beat_proof` set; peerd/beats.py) the heartbeat and its proof are left out, and the chain's `anchor` goes in."""
     body = pb.PeerInfo()
     body.CopyFrom(info)
     body.ClearField("signature")
-    if info.beat_anchor:
-        body.ClearField("heartbeat")
-        body.ClearField("beat_proof")
-    return ENTRY_DOMAIN + run_id + body.SerializeToString(deterministic=True)
+    if not info.beat_proof:
+        return ENTRY_DOMAIN + run_id + body.SerializeToString(deterministic=True)
+    body.ClearField("heartbeat")
+    body.ClearField("beat_proof")
+    return CHAINED_DOMAIN + run_id + anchor + body.SerializeToString(deterministic=True)
 
 
-def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes]) -> pb.PeerInfo:
+def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes], anchor: bytes = b"") -> pb.PeerInfo:
     """Sign `info` in place as its own subject (the key behind `sign` must be info.public_key's)."""
-    info.signature = sign(entry_bytes(info, run_id))
+    info.signature = sign(entry_bytes(info, run_id, anchor))
     return info
 
 
-def beat_proven(info: pb.PeerInfo) -> bool:
-    """An entry's heartbeat is its subject's: its chain value hashes to the signed anchor (an entry without a chain has
-    the heartbeat under its signature)."""
-    return not info.beat_anchor or hashes_to(info.beat_proof, info.heartbeat - info.beat_base, info.beat_anchor)
+def anchor_of(info: pb.PeerInfo) -> bytes | None:
+    """The chain top an entry's proof stands for (b"" for an entry without a chain; None for a proof that cannot be
+    one: wrong size, or a heartbeat before its base or too far past it)."""
+    if not info.beat_proof:
+        return b""
+    return hash_up(info.beat_proof, info.heartbeat - info.beat_base)
 
 
 def entry_is_signed(info: pb.PeerInfo, run_id: bytes) -> bool:
-    return beat_proven(info) and verify(info.public_key, info.signature, entry_bytes(info, run_id))
+    anchor = anchor_of(info)
+    return anchor is not None and verify(info.public_key, info.signature, entry_bytes(info, run_id, anchor))
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Entry:
     probes: int = 0  # direct probes since its heartbeat last advanced (the "lost" line says how many, and how)
     probe_result: str = ""  # how the last one ended: "answered", a gRPC status name, or "" while it runs
     body: bytes = b""  # the signed body of `info` as checked (entry_bytes): a later heartbeat of it needs only a hash
+    anchor: bytes = b""  # its heartbeat chain's top, as its proof gave it
     unreachable_why: str = ""  # what marked it unreachable last (for the "lost" line)
 
 
@@ -124,11 +130,11 @@ class Membership:
         if self._sign is not None:
             if self._chain is None or not self._chain.covers(self.me.heartbeat):
                 self._chain = BeatChain(self.me.heartbeat)
-                self.me.beat_anchor, self.me.beat_base = self._chain.anchor, self._chain.base
+                self.me.beat_base = self._chain.base
             self.me.beat_proof = self._chain.proof(self.me.heartbeat)
-            body = entry_bytes(self.me, self.run_id)
+            body = entry_bytes(self.me, self.run_id, self._chain.anchor)
             if body != self._signed_body or not self.me.signature:
-                sign_entry(self.me, self.run_id, self._sign)
+                self.me.signature = self._sign(body)
                 self._signed_body = body
         return self.me
 
@@ -146,15 +152,15 @@ class Membership:
                 continue
             if cur is None and len(self.entries) >= MAX_PEERS and not self._evict_one():
                 continue
-            body = self._authentic(info, cur)
-            if body is None:
+            checked = self._authentic(info, cur)
+            if checked is None:
                 self.forged += 1
                 continue
             if cur is None:
-                self.entries[pid] = Entry(copy_peer(info), now, now, body=body)
+                self.entries[pid] = Entry(copy_peer(info), now, now, body=checked[0], anchor=checked[1])
                 new.append(pid)
             else:
-                cur.body = body
+                cur.body, cur.anchor = checked
                 if info.incarnation > cur.info.incarnation and len(self.restarts) < MAX_PEERS:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
@@ -166,23 +172,22 @@ class Membership:
             self._note_step(int(info.outer_step), now)
         return new
 
-    def _authentic(self, info: pb.PeerInfo, cur: Entry | None) -> bytes | None:
-        """`info`'s signed body if its subject vouches for it, else None. A newer heartbeat of the body we already
-        checked costs a hash or two (its chain value hashes to the one we hold); anything else, a signature check."""
+    def _authentic(self, info: pb.PeerInfo, cur: Entry | None) -> tuple[bytes, bytes] | None:
+        """(signed body, chain anchor) of `info` if its subject vouches for it, else None. A newer heartbeat of the
+        body we already checked costs a hash or two (its proof hashes to the one we hold); anything else, a signature
+        check."""
         if self._sign is None:
-            return b""
-        body = entry_bytes(info, self.run_id)
-        if (
-            cur is not None
-            and info.beat_anchor
-            and cur.body == body
-            and info.signature == cur.info.signature
-            and cur.info.beat_proof
-        ):
-            steps = info.heartbeat - cur.info.heartbeat
-            return body if hashes_to(info.beat_proof, steps, cur.info.beat_proof) else None
-        ok = beat_proven(info) and verify(info.public_key, info.signature, body)
-        return body if ok else None
+            return b"", b""
+        if cur is not None and info.beat_proof and cur.info.beat_proof and info.signature == cur.info.signature:
+            body = entry_bytes(info, self.run_id, cur.anchor)
+            if body == cur.body:
+                ok = hashes_to(info.beat_proof, info.heartbeat - cur.info.heartbeat, cur.info.beat_proof)
+                return (body, cur.anchor) if ok else None
+        anchor = anchor_of(info)
+        if anchor is None:
+            return None
+        body = entry_bytes(info, self.run_id, anchor)
+        return (body, anchor) if verify(info.public_key, info.signature, body) else None
 
     def _note_step(self, step: int, now: float) -> None:
         if step > 0 and step not in self.step_seen:
@@ -232,11 +237,11 @@ class Membership:
             return
         if (info.incarnation, info.heartbeat) <= (entry.info.incarnation, entry.info.heartbeat):
             return
-        body = self._authentic(info, entry)
-        if body is None:
+        checked = self._authentic(info, entry)
+        if checked is None:
             self.forged += 1
             return
-        entry.info, entry.body = copy_peer(info), body
+        entry.info, (entry.body, entry.anchor) = copy_peer(info), checked
         entry.last_advance = now
 
     def note_step(self, peer_id: str, step: int) -> None:

@@ -60,11 +60,11 @@ def test_heartbeats_within_a_chain_are_merged_without_a_signature_check(monkeypa
 def test_a_chain_that_runs_out_is_replaced_and_the_receiver_follows() -> None:
     me, a = Identity.generate(), Identity.generate()
     table, a_table = _table(me), _table(a)
-    anchors = set()
+    anchors = set()  # one base per chain
     for t in range(2 * beats.CHAIN_LEN + 5):
         a_table.bump()
         entry = _copy(a_table.signed_self())
-        anchors.add(entry.beat_anchor)
+        anchors.add(entry.beat_base)
         if t % 7 == 0:  # the receiver hears only some heartbeats, as with bounded gossip
             table.merge([entry], now=float(t))
             assert table.get(a.peer_id).heartbeat == entry.heartbeat
@@ -111,3 +111,13 @@ def test_an_entry_without_a_chain_is_still_checked_as_before() -> None:
     assert table.merge([_copy(info)], now=0.0) == [a.peer_id]
     info.heartbeat = 4  # under the signature: changing it breaks it
     assert table.merge([_copy(info)], now=1.0) == [] and table.forged == 1
+
+
+def test_the_chain_costs_an_entry_about_23_bytes_on_the_wire() -> None:
+    a = Identity.generate()
+    table = _table(a, hb=1000)
+    chained = _copy(table.signed_self())
+    plain = pb.PeerInfo(peer_id=a.peer_id, public_key=a.public_key, heartbeat=1000, address="h:1")
+    membership.sign_entry(plain, RUN, a.sign)
+    assert len(chained.beat_proof) == beats.VALUE_BYTES
+    assert chained.ByteSize() - plain.ByteSize() <= 24  # proof 19 + base 4 (tags included): the anchor is not sent
