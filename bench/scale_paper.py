@@ -4,12 +4,13 @@ at 8-64 peers on this machine; `python -m bench.scale_paper` prints the extrapol
 
     python -m bench.scale_paper [--params 1e9] [--bytes-per-param 1] [--peers 8,64,256,1000] [--mbit 20,100,1000]
 
-Symbols: n peers, P parameters, b wire bytes per parameter (fp32 4, int8 1, e3m0 0.5), R link rate (bytes/s,
-each way), E bytes of one signed peer entry (about 250 without TLS, 650 with its certificate), E_r bytes of a group's
-member entry (rendezvous.round_entry: about 130 without TLS, 530 with it), K gossip entries per message
-(network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout, c member entries that change between
-a member's consecutive groups (joins, deaths, restarts: peerd/group_delta.py sends only those), w bytes per member
-that a delta answer still carries (its token claim and join lag: about 5), H a delta answer's fixed bytes (about 60).
+Symbols: n peers, P parameters, b wire bytes per parameter (fp32 4, int8 1, e3m0 0.5), R link rate (bytes/s, each way),
+E bytes of one signed peer entry (about 275 without TLS, 675 with its certificate; 23 of them the heartbeat chain), E_r
+bytes of a group's member entry (rendezvous.round_entry: about 130 without TLS, 530 with it), K gossip entries per
+message (network.gossip_entries), f = 3 gossip targets per interval g, T = peer_timeout, c member entries that change
+between a member's consecutive groups (joins, deaths, restarts: peerd/group_delta.py sends only those), w bytes per
+member that a delta answer still carries (its token claim and join lag: about 5), H a delta answer's fixed bytes (about
+60).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class Swarm:
     params: float = 1e6
     bytes_per_param: float = 4.0
     mbit: float = 1000.0
-    entry: float = 250.0
+    entry: float = 275.0
     round_entry: float = 130.0
     gossip_entries: int = 8
     interval: float = 1.0
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bytes-per-param", type=float, default=1.0, help="wire bytes per parameter (int8: 1)")
     ap.add_argument("--peers", default="8,64,256,1000")
     ap.add_argument("--mbit", default="20,100,1000")
-    ap.add_argument("--entry", type=float, default=650.0, help="bytes of one signed peer entry (TLS: ~650)")
+    ap.add_argument("--entry", type=float, default=675.0, help="bytes of one signed peer entry (TLS: ~675)")
     ap.add_argument("--round-entry", type=float, default=530.0, help="bytes of a group's member entry (TLS: ~530)")
     ap.add_argument("--gossip-entries", type=int, default=8)
     ap.add_argument("--changed", type=float, default=2.0, help="member entries that change per round (churn)")
