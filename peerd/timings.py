@@ -29,6 +29,7 @@ from peerd.robust import majority_suspects
 from peerd.v1 import peerd_pb2 as pb
 
 SLOW, FAULTY = "slow", "faulty"
+ID_CHARS = 16  # a gossiped verdict names a peer by the first 16 hex digits of its id (64 bits): 18 bytes, not 34
 RATIO = 3.0  # an outlier brings this many times less work (or stream throughput) than the round's median
 LAG_RATIO = 2.0  # ...or is this many times later than the median: all of a round's streams share the owners' links,
 # so a peer on a 10x slower link arrives only ~2.5-3x later than the others (measured in netns, tests/test_uneven.py)
@@ -224,16 +225,19 @@ class SwarmTimings:
         if known is not None:
             self.local.forget(known)
         for kind in (SLOW, FAULTY):
-            mine = self.local.verdicts(kind)
+            mine = [pid[:ID_CHARS] for pid in self.local.verdicts(kind)]
             field_ = getattr(self.me, kind)
             if list(field_) != mine:
                 del field_[:]
                 field_.extend(mine)
+        # verdicts name peers by prefix (ID_CHARS): back to whole ids for the peers we know
+        full = {pid[:ID_CHARS]: pid for pid in (known or ())}
+        full.update((p.peer_id[:ID_CHARS], p.peer_id) for p in (*alive, self.me))
         lines = []
         votes: dict[str, int] = {}
         for kind in (SLOW, FAULTY):
-            views = {p.peer_id: list(getattr(p, kind)) for p in alive}
-            views[self.me.peer_id] = list(getattr(self.me, kind))
+            views = {p.peer_id: [full.get(x, x) for x in getattr(p, kind)] for p in alive}
+            views[self.me.peer_id] = [full.get(x, x) for x in getattr(self.me, kind)]
             now = majority_suspects(views)
             for view in views.values():
                 for pid in set(view):

@@ -3,7 +3,7 @@ and the majority rule that turns each peer's verdicts into the swarm's."""
 
 from __future__ import annotations
 
-from peerd.timings import CONFIRM, RECOVER, PeerTimings, SwarmTimings
+from peerd.timings import CONFIRM, ID_CHARS, RECOVER, PeerTimings, SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
 
 PEERS = ["a", "b", "c", "d"]
@@ -103,3 +103,19 @@ def test_the_swarm_flags_only_what_a_majority_of_the_others_report() -> None:
     assert any("peer d flagged slow" in line for line in lines)
     c.ClearField("slow")
     assert any("no longer flagged" in line for line in sw.refresh([b, c, d], step=4))
+
+
+def test_verdicts_travel_as_id_prefixes_and_count_as_whole_ids() -> None:
+    ids = [f"{k:02x}" * 16 for k in range(5)]  # 32 hex digits, as real peer ids
+    me = pb.PeerInfo(peer_id=ids[0])
+    sw = SwarmTimings(me)
+    others = [pb.PeerInfo(peer_id=pid) for pid in ids[1:]]
+    for voter in others[:3]:
+        voter.slow.append(ids[4][:ID_CHARS])
+    lines = sw.refresh(others, step=1)
+    assert sw.is_flagged(ids[4]) and any(f"peer {ids[4][:8]} flagged slow" in line for line in lines)
+    for _ in range(CONFIRM):
+        sw.local.round(lag_s={ids[0]: 0.1, ids[1]: 0.1, ids[2]: 0.1, ids[3]: 4.0})
+    sw.refresh(others, step=2)
+    assert list(me.slow) == [ids[3][:ID_CHARS]]  # 18 bytes on the wire instead of 34
+    assert me.ByteSize() < len(ids[0]) + len(ids[3]) + 4
