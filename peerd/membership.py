@@ -42,9 +42,9 @@ def entry_bytes(info: pb.PeerInfo, run_id: bytes, anchor: bytes = b"") -> bytes:
     return CHAINED_DOMAIN + run_id + anchor + body.SerializeToString(deterministic=True)
 
 
-def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes], anchor: bytes = b"") -> pb.PeerInfo:
-    """Sign `info` in place as its own subject (the key behind `sign` must be info.public_key's)."""
-    info.signature = sign(entry_bytes(info, run_id, anchor))
+def sign_entry(info: pb.PeerInfo, run_id: bytes, sign: Callable[[bytes], bytes]) -> pb.PeerInfo:
+    """Sign `info` in place as its own subject, without a heartbeat chain (our own entry: `Membership.signed_self`)."""
+    info.signature = sign(entry_bytes(info, run_id))
     return info
 
 
@@ -54,11 +54,6 @@ def anchor_of(info: pb.PeerInfo) -> bytes | None:
     if not info.beat_proof:
         return b""
     return hash_up(info.beat_proof, info.heartbeat - info.beat_base)
-
-
-def entry_is_signed(info: pb.PeerInfo, run_id: bytes) -> bool:
-    anchor = anchor_of(info)
-    return anchor is not None and verify(info.public_key, info.signature, entry_bytes(info, run_id, anchor))
 
 
 @dataclass
