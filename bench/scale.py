@@ -6,8 +6,9 @@ is the swarm's own cost as N grows (issue 15).
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
   share of those rounds that included every peer the run expected (a kill makes the rounds around it partial);
-- failed: round attempts that failed and were retried (RoundFailed), and outer steps given up on, at the bootstrap
-  peer (never killed), and the share of attempts that completed: rounds / (rounds + failed); survived: rounds that
+- failed: round attempts that failed and were retried (RoundFailed), and outer steps given up on, at the record peer
+  (the lowest-numbered peer never killed and never sponsored in the window: the bootstrap peer unless the swarm
+  flagged it slow), and the share of attempts that completed: rounds / (rounds + failed); survived: rounds that
   lost a member mid-round and completed without it (allreduce.py); and failed attempts summed over every peer's log
   (a member whose own attempt failed downloads the swarm's state instead);
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
@@ -55,6 +56,10 @@ JOINED = re.compile(r"INFO peerd: peer \w{8} joined run ")
 BACK = re.compile(r"^(\S+ \S+) INFO peerd: peer (\w{8}) (?:is live again|at \S+ answers again|joined from)")
 # a failed round attempt, or an outer step given up on (its rendezvous failed: the step is retried next window)
 FAILED = re.compile(r"^(\S+ \S+) WARNING peerd: (?:round for step \d+ \(attempt \d+\)|outer step \d+) failed")
+# a peer that sends its work through a sponsor (the swarm flagged it slow), or one of its steps while it does
+SPONSORED = re.compile(
+    r"^(\S+ \S+) (?:WARNING peerd: this peer's link is too slow|INFO peerd: outer step \d+ \|.*\| peers via sponsor )"
+)
 SURVIVED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ survived the loss of")
 PEER_TIMEOUT = 15.0  # 64 daemons share 2 cores here: a starved event loop must not read as a dead peer
 
@@ -152,7 +157,8 @@ def run_size(
             t1 = time.time()
             after = {i: _scrape(u) for i, u in urls.items()}
             logs = {p.index: p.log() for p in swarm.peers}
-        row = _report(n, t0, t1, before, after, logs, kills)
+        killed = {i for i, k in started.items() if k > 1}
+        row = _report(n, t0, t1, before, after, logs, kills, killed)
         if kept:
             row["kept"] = kept
             Path(kept, "kills.json").write_text(json.dumps(kills))  # (time, peer id): for a post-mortem
@@ -164,6 +170,31 @@ def _peer_id(log: str) -> str:
     return m[2] if m else ""
 
 
+def step_lines(log: str, t0: float, t1: float) -> list[tuple[float, int, int, int]]:
+    """(time, step, included, expected) of each outer step a peer logged in [t0, t1] as a member of the round (a
+    sponsored peer's steps read "peers via sponsor" and do not match)."""
+    return [
+        (_ts(m[1]), int(m[2]), int(m[3]), int(m[4]))
+        for line in log.splitlines()
+        if (m := LINE.match(line)) and t0 <= _ts(m[1]) <= t1
+    ]
+
+
+def _count(pattern: re.Pattern[str], log: str, t0: float, t1: float) -> int:
+    return sum(1 for line in log.splitlines() if (m := pattern.match(line)) and t0 <= _ts(m[1]) <= t1)
+
+
+def record_peer(logs: dict[int, str], killed: set[int], t0: float, t1: float) -> int | None:
+    """The peer whose log is the swarm's round record: the lowest-numbered one that was never killed and never sent its
+    work through a sponsor in [t0, t1], so it was a member of every round it completed. Usually the bootstrap peer
+    (never killed); but the swarm may flag any peer slow, the bootstrap too (run AP), and a sponsored peer's log stops
+    counting rounds. The lowest index, not the peer with the most rounds, so the choice does not pick a healthy log."""
+    for i in sorted(logs):
+        if i not in killed and not _count(SPONSORED, logs[i], t0, t1):
+            return i
+    return None
+
+
 def _report(
     n: int,
     t0: float,
@@ -172,21 +203,17 @@ def _report(
     after: dict[int, dict[str, float]],
     logs: dict[int, str],
     kills: list[tuple[float, str]],
+    killed: set[int],
 ) -> dict[str, Any]:
     window = t1 - t0
-    steps: list[tuple[float, int, int, int]] = []
-    for line in logs[0].splitlines():  # the bootstrap peer is never killed: its log is the swarm's step record
-        m = LINE.match(line)
-        if m and t0 <= _ts(m[1]) <= t1:
-            steps.append((_ts(m[1]), int(m[2]), int(m[3]), int(m[4])))
+    record = record_peer(logs, killed, t0, t1)
+    steps = step_lines(logs[record], t0, t1) if record is not None else []
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
-    # failed attempts seen by the bootstrap peer (never killed, a member of every round it completes)
-    failed = sum(1 for line in logs[0].splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1)
-    survived = sum(1 for line in logs[0].splitlines() if (f := SURVIVED.match(line)) and t0 <= _ts(f[1]) <= t1)
+    # failed attempts seen by the record peer (never killed or sponsored: a member of every round it completes)
+    failed = _count(FAILED, logs[record], t0, t1) if record is not None else 0
+    survived = _count(SURVIVED, logs[record], t0, t1) if record is not None else 0
     # the same failures at every peer (a member whose own attempt failed then downloads the swarm's state)
-    failed_any = sum(
-        1 for log in logs.values() for line in log.splitlines() if (f := FAILED.match(line)) and t0 <= _ts(f[1]) <= t1
-    )
+    failed_any = sum(_count(FAILED, log, t0, t1) for log in logs.values())
     per_peer = [_diff(after[i], before[i]) for i in after if i in before]
     gossip_b = [d.get("peerd_sent_bytes_total:gossip", 0.0) / window for d in per_peer]
     gossip_m = [d.get("peerd_sent_messages_total:gossip", 0.0) / window for d in per_peer]
@@ -205,6 +232,7 @@ def _report(
     return {
         "peers": n,
         "window_s": round(window, 1),
+        "record_peer": record,
         "rounds": rounds,
         "round_s": round(statistics.median(gaps), 2) if gaps else None,
         "full_share": round(sum(1 for s in steps if s[2] == s[3]) / rounds, 3) if rounds else None,
@@ -377,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
         else:
             print(
-                f"{n:3d} peers: {row['rounds']} rounds, {row['round_s']} s/round, full {row['full_share']}, "
+                f"{n:3d} peers: {row['rounds']} rounds at peer {row['record_peer']}, {row['round_s']} s/round, "
+                f"full {row['full_share']}, "
                 f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
                 f"survived a loss {row['survived_a_loss']}, failed attempts at any peer "
                 f"{row['failed_attempts_all_peers']}, "

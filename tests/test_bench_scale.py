@@ -1,10 +1,11 @@
-"""bench.scale's failure-detection reading of the peers' logs (the bench's own arithmetic, on written logs)."""
+"""bench.scale's round record and failure-detection reading of the peers' logs (the bench's own arithmetic, on
+written logs)."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from bench.scale import _how, _probe_end, detection, false_losses
+from bench.scale import FAILED, _count, _how, _probe_end, detection, false_losses, record_peer, step_lines
 
 
 def _at(t: float) -> str:
@@ -73,3 +74,31 @@ def test_false_losses_count_live_peers_counted_out_and_when_they_were_heard_from
     assert got["false_by"] == {"silent": 1, "gossip": 1}
     assert got["false_silent_probes"] == {"DEADLINE_EXCEEDED": 1}
     assert got["false_back_s_median"] == 3.0 and got["false_back_s_p90"] == 3.0
+
+
+def _step(t: float, step: int, peers: str = "peers 5/6 | sent 1 MB") -> str:
+    return f"{_at(t)} INFO peerd: outer step {step} | loss 0.1 | eval 0.1 | 9 tok/s | {peers} | round 1.0s\n"
+
+
+def test_the_round_record_skips_a_bootstrap_peer_the_swarm_sponsored() -> None:
+    """Run AP: the swarm flagged the bootstrap peer slow and it sent its work through a sponsor for the window's last
+    5 minutes, so its log stopped counting rounds at step 2 while the swarm went on. The record moves to the
+    lowest-numbered peer never killed and never sponsored (peer 1 was killed), which saw all four rounds and the
+    failed attempt at step 3; a peer sponsored only before the window counts again."""
+    t = 1_800_000_000.0
+    sponsored = f"{_at(t + 30)} WARNING peerd: this peer's link is too slow for the swarm's rounds: sending our work\n"
+    failed = f"{_at(t + 25)} WARNING peerd: round for step 3 (attempt 1) failed: x\n"
+    logs = {
+        0: _step(t + 10, 1) + _step(t + 20, 2) + sponsored + _step(t + 40, 4, "peers via sponsor 22222222 | sent"),
+        1: _step(t + 10, 1) + _step(t + 20, 2) + _step(t + 30, 3) + _step(t + 40, 4),
+        2: _step(t + 10, 1) + _step(t + 20, 2) + failed + _step(t + 30, 3) + _step(t + 40, 4),
+        3: _step(t + 20, 2),
+    }
+    assert len(step_lines(logs[0], t, t + 50)) == 2  # "peers via sponsor" is not a round it was a member of
+    assert record_peer(logs, {1}, t, t + 50) == 2
+    assert [s[1] for s in step_lines(logs[2], t, t + 50)] == [1, 2, 3, 4]
+    assert _count(FAILED, logs[2], t, t + 50) == 1
+    assert record_peer(logs, set(), t, t + 50) == 1
+    assert record_peer(logs, {1}, t + 35, t + 50) == 2  # still sponsored: its steps say so
+    assert record_peer(logs, {1, 2, 3}, t + 45, t + 50) == 0  # sponsored before the window only
+    assert record_peer(logs, {1, 2, 3}, t, t + 50) is None
