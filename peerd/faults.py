@@ -253,6 +253,12 @@ def stall_loop_once() -> None:
         time.sleep(seconds)
 
 
+# A starved peer as the others see it at 64 daemons on 2 cores: it answers every Gossip call only this many seconds
+# after it arrives, and calls nobody itself, so the others hear its heartbeat only in its late answers
+# (peerd/gossip.py, `Gossip.deadline`).
+GOSSIP_LATE_S = float(_env("PEERD_FAULT_GOSSIP_LATE_S") or 0)
+
+
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

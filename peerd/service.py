@@ -131,6 +131,8 @@ class MembershipService(rpc.MembershipServicer):
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
         await self.checks.verify(request, "Gossip", context)
+        if faults.GOSSIP_LATE_S:
+            await asyncio.sleep(faults.GOSSIP_LATE_S)
         self.gossip.merge_gossip(request.peers)
         observed = _observed_host(context.peer())
         resp = pb.GossipResponse(

@@ -84,7 +84,7 @@ def _bare_gossip(m: Membership, *, dial: bool):  # -> peerd.gossip.Gossip
         checks=SimpleNamespace(refresh_suspects=lambda: None),
         reach=SimpleNamespace(dial_targets=(lambda peers: peers) if dial else (lambda peers: []), tick=lambda p: None),
     )  # fmt: skip
-    g._inflight, g.stalled_s = {}, 0.0
+    g._inflight, g._long, g.stalled_s = {}, set(), 0.0
     g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
     return g
 
@@ -189,9 +189,12 @@ def test_a_probe_marks_a_refused_peer_at_once_and_a_frozen_one_never() -> None:
             return rpc.MembershipStub(channels[address])
 
         g = Gossip.__new__(Gossip)
+        g._long = set()
+        # a 1 s interval: the frozen/down call, to a peer silent 0.6x the timeout, waits until one interval before
+        # the silence reaches it (Gossip.deadline: 3 s), and its peer is still alive when the test asks just after
         g.d = SimpleNamespace(
             membership=m, identity=me, run_id=b"r" * 16, count_sent=lambda *a: None,
-            cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2, gossip_entries=8)),
+            cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=1.0, gossip_entries=8)),
             channels=SimpleNamespace(membership=stub, connected=lambda address, peer=None: True),
         )  # fmt: skip
         oks = await asyncio.gather(*(g._gossip_one(info, mark) for (_, mark), info in peers.items()))
@@ -372,3 +375,20 @@ def test_bounded_gossip_keeps_every_peer_alive_and_finds_a_silent_one_within_twi
             frozen.proc.send_signal(signal.SIGCONT)
         assert took <= 2 * 3.0, took  # tiny_config's peer_timeout is 3 s
         swarm.wait_until(lambda: all(len(x.status().alive) == 7 for x in p), 30, "the thawed peer back")
+
+
+def test_a_peer_that_answers_late_is_waited_for_not_counted_lost(tmp_path: Path) -> None:
+    """A starved peer, as the others see it at 64 daemons on 2 cores (PEERD_FAULT_GOSSIP_LATE_S): it answers each
+    Gossip call 2.5 s after it arrives and calls nobody, so its heartbeat reaches peer 0 only in those late answers.
+    A 2 s deadline on every call left it silent until peer_timeout and counted it lost; a call to a peer about to go
+    stale now waits for as long as the verdict allows (`Gossip.deadline`), and the answer clears it every time."""
+    cfg = tiny_config(tmp_path, run__outer_steps=0, inner__steps=20, network__peer_timeout=8.0)
+    with Swarm(tmp_path, 1, cfg) as swarm:
+        late = swarm.add_peer(env={"PEERD_FAULT_GOSSIP_LATE_S": "2.5"})
+        first = swarm.peers[0]
+        late_id = late.status().peer_id
+        swarm.wait_until(lambda: len(first.status().alive) == 2, 30, "the late peer joined")
+        time.sleep(20.0)  # two and a half peer timeouts
+        assert f"peer {late_id[:8]} lost: " not in first.log(), first.log_tail()
+        assert late_id in first.status().alive
+        assert len(late.status().alive) == 2  # the other way round its calls carry peer 0's heartbeat in time
