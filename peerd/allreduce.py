@@ -46,6 +46,7 @@ import grpc
 import torch
 
 from peerd import faults
+from peerd.channels import end_call
 from peerd.codecs import Codec, CodecError
 from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
@@ -508,7 +509,7 @@ class ReduceRound(Takeover):
             why = f"exchange with {pid[:8]} failed: {exc.code().name} {exc.details()}"
             raise kind(why, {pid}, "peer_lost") from exc
         finally:
-            call.cancel()
+            end_call(call)
 
     def _decode_reply(self, bounds: tuple[int, int], payload: bytearray) -> float:
         reply = self.codec.decode(payload, bounds[1] - bounds[0])

@@ -29,7 +29,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, RoundStats
-from peerd.channels import connection_failed
+from peerd.channels import connection_failed, end_call
 from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier
 from peerd.identity import Identity
@@ -182,7 +182,7 @@ class Session:
             if not task.done():
                 task.cancel()
         for call in self.calls:
-            call.cancel()
+            end_call(call)
 
 
 class Exchange:
@@ -398,7 +398,7 @@ class Exchange:
         finally:
             sess.settle(pid, False, "stream ended")
             if call is not None:
-                call.cancel()
+                end_call(call)
 
     async def _client_requests(self, sess: Session, member: pb.PeerInfo) -> AsyncIterator[pb.TensorMessage]:
         to = member.peer_id

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from peerd.channels import end_call
 from peerd.codecs import CodecError
 from peerd.envelope import AuthError, sign
 from peerd.limits import LimitExceeded, TokenBucket, paced
@@ -320,7 +321,7 @@ class RelayClient:
         finally:
             for _, task in calls.values():
                 task.cancel()
-            stream.cancel()
+            end_call(stream)
             self._set_relay("")
 
     async def _serve(self, call: int, method: str, inbox: asyncio.Queue, outbox: asyncio.Queue) -> None:
@@ -387,7 +388,7 @@ class RelayTransport:
                 if frame.payload:
                     return pb.MatchResponse.FromString(frame.payload)
         finally:
-            call.cancel()
+            end_call(call)
         raise ConnectionError(f"relay {relay.peer_id[:8]} ended the call without an answer")
 
     def exchange(self, peer: pb.PeerInfo, requests: AsyncIterator[pb.TensorMessage], timeout: float) -> Any:
@@ -424,4 +425,4 @@ class _RelayedCall:
                 return
 
     def cancel(self) -> bool:
-        return bool(self.call.cancel())
+        return end_call(self.call)
