@@ -46,7 +46,12 @@ def test_windowed_rounds_weigh_a_slow_peer_by_its_tokens(tmp_path: Path) -> None
     assert summaries[2]["inner_step"] < 0.7 * min(s["inner_step"] for s in summaries[:2]), summaries
     full = [r for r in summaries[0]["rounds"] if len(r["included"]) == 3]
     assert len(full) >= 3, summaries[0]["rounds"]
-    for r in full:
+    # Past the first window: a process's first steps include torch's warm-up, which under two test workers on 2
+    # cores once left a fast peer 1,664 tokens in window 0 against the other's 6,656 (CI run 78), and the slow
+    # peer's 1,280 is then not under 0.7 of the fast minimum. Its later windows held 15,232 to 18,944.
+    steady = [r for r in full if r["step"] > 0]
+    assert len(steady) >= 2, summaries[0]["rounds"]
+    for r in steady:
         tokens = dict(zip(r["included"], r["tokens"], strict=True))
         fast = [t for pid, t in tokens.items() if pid != slow_id]
         # the slow peer's work counts less, in proportion, and is never dropped
