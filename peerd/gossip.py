@@ -187,7 +187,7 @@ class Gossip:
             # not pile up calls, and a call ends by its deadline, so at most about 3 + 2 s / interval run at once.
             # Calls to peers about to expire, which wait longer, are not counted: a tick's ordinary gossip (how
             # everyone else's heartbeats spread) does not stop while a few stale peers take their time to answer.
-            busy = len(self._inflight) - len(self._long)
+            busy = sum(1 for pid in self._inflight if pid not in self._long)
             targets = random.sample(free, min(max(1, 3 - busy), len(free)))
             # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
             chosen = {p.peer_id for p in targets} | set(self._inflight)
@@ -231,6 +231,8 @@ class Gossip:
         """One gossip call as its own task, at most one in flight per peer (a slow one is not asked again meanwhile)."""
         task = asyncio.ensure_future(self._gossip_one(peer, mark))
         self._inflight[peer.peer_id] = task
+        if self.deadline(peer.peer_id) > self.usual_deadline:
+            self._long.add(peer.peer_id)
         task.add_done_callback(lambda t, pid=peer.peer_id: self._finished(pid, t))
         return task
 
@@ -338,8 +340,6 @@ class Gossip:
         view = self.d.membership.gossip_view(limit=self.d.cfg.network.gossip_entries)
         req = sign(pb.GossipRequest(peers=view), "Gossip", self.d.identity, self.d.run_id)
         timeout = self.deadline(peer.peer_id)
-        if timeout > self.usual_deadline:
-            self._long.add(peer.peer_id)
         if mark != "refused":
             return await self._gossip_call(peer, mark, req, timeout) == "answered"
         self.d.membership.probe_started(peer.peer_id)

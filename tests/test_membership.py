@@ -392,3 +392,37 @@ def test_a_peer_that_answers_late_is_waited_for_not_counted_lost(tmp_path: Path)
         assert f"peer {late_id[:8]} lost: " not in first.log(), first.log_tail()
         assert late_id in first.status().alive
         assert len(late.status().alive) == 2  # the other way round its calls carry peer 0's heartbeat in time
+
+
+def test_a_call_to_a_peer_about_to_go_stale_waits_longer_and_is_not_counted_against_a_tick() -> None:
+    """`Gossip.deadline`: 2 s while the call would end before the peer is stale (0.6 x peer_timeout), then until one
+    interval before the silence reaches the timeout. Such a call is held apart from a tick's three while it runs
+    (`_long`), and only calls the tick started are: a re-dial of a dead peer (`_gossip_one` alone) leaves no trace
+    that would let later ticks start more than three ordinary calls."""
+    import asyncio
+
+    async def main() -> None:
+        m = Membership(_info(b"m" * 32, 1), peer_timeout=10.0, settle_s=0.0)
+        g = _bare_gossip(m, dial=True)  # interval 0.2 s
+        now = time.monotonic()
+        fresh, stale, older = (_info(bytes([k]) * 32, 3) for k in (1, 2, 3))
+        m.merge([fresh])
+        m.merge([stale], now=now - 5.0)
+        m.merge([older], now=now - 7.0)
+        assert g.deadline(fresh.peer_id) == 2.0  # 0 + 2 < 6
+        assert abs(g.deadline(stale.peer_id) - (10.0 - 5.0 - 0.2)) < 0.05  # 5 + 2 >= 6: until 9.8 s of silence
+        assert abs(g.deadline(older.peer_id) - 2.8) < 0.05
+
+        async def answered_late(peer: pb.PeerInfo, mark: str = "down") -> bool:
+            await asyncio.sleep(0.05)
+            return False
+
+        g._gossip_one = answered_late  # type: ignore[method-assign]
+        g._start(stale, "refused")
+        g._start(fresh, "down")
+        assert g._long == {stale.peer_id}
+        await g._gossip_one(older, "never")  # a re-dial: not the tick's
+        await asyncio.gather(*g._inflight.values())
+        assert not g._inflight and not g._long
+
+    asyncio.run(main())
