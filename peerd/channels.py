@@ -41,8 +41,9 @@ def end_call(call: object) -> bool:
     grpc.aio cancels that task only when `cancel()` itself ends the call (it returns False for a call that already
     ended: a refusal, a deadline, a dead peer). A feeder waiting on our iterator (the next part of a Reduce stream,
     a relay outbox nobody fills any more) then stays pending, and once the call is garbage asyncio logs "Task was
-    destroyed but it is pending!": 151 such ERROR lines in one 64-peer churn run (run AR). grpc's own fix (grpc/grpc
-    pull 37355) was never merged; where a later grpc has no such task, this is a plain `cancel()`."""
+    destroyed but it is pending!": 151 such ERROR lines in one 64-peer churn run (run AR). grpc/grpc pull 37355
+    proposed the fix upstream and was closed; grpcio 1.85 still behaves so (tests/test_end_call.py). Where a later
+    grpc has no such task, this is a plain `cancel()`."""
     ended = bool(call.cancel())  # type: ignore[attr-defined]
     feeder = getattr(call, "_async_request_poller", None)
     if feeder is not None and not feeder.done():
