@@ -207,11 +207,12 @@ def _report(
 ) -> dict[str, Any]:
     window = t1 - t0
     record = record_peer(logs, killed, t0, t1)
-    steps = step_lines(logs[record], t0, t1) if record is not None else []
+    record_log = logs[record] if record is not None else ""  # no such peer: no rounds on record
+    steps = step_lines(record_log, t0, t1)
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
     # failed attempts seen by the record peer (never killed or sponsored: a member of every round it completes)
-    failed = _count(FAILED, logs[record], t0, t1) if record is not None else 0
-    survived = _count(SURVIVED, logs[record], t0, t1) if record is not None else 0
+    failed = _count(FAILED, record_log, t0, t1)
+    survived = _count(SURVIVED, record_log, t0, t1)
     # the same failures at every peer (a member whose own attempt failed then downloads the swarm's state)
     failed_any = sum(_count(FAILED, log, t0, t1) for log in logs.values())
     per_peer = [_diff(after[i], before[i]) for i in after if i in before]
