@@ -55,7 +55,16 @@ from peerd.identity import Identity
 from peerd.layout import PART_BYTES, mask_members, part_bounds, part_elems, shard_bounds
 from peerd.robust import ContributionGuard
 from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
-from peerd.roundtypes import OwnerLost, StreamLate, own_evidence, part_messages, rms, shared, sum_of_squares
+from peerd.roundtypes import (
+    ContributionRefused,
+    OwnerLost,
+    StreamLate,
+    own_evidence,
+    part_messages,
+    rms,
+    shared,
+    sum_of_squares,
+)
 from peerd.roundtypes import RoundFailed as RoundFailed
 from peerd.roundtypes import RoundStats as RoundStats
 from peerd.roundtypes import relayed_suspects as relayed_suspects
@@ -287,6 +296,10 @@ class ReduceRound(Takeover):
                 more, _ = await asyncio.wait(pending, timeout=BLAME_GRACE_S, return_when=asyncio.FIRST_EXCEPTION)
                 failed += [f.exception() for f in more if not f.cancelled() and f.exception() is not None]
             if failed:
+                # an owner that refused our own contribution decides our retry, whatever else failed: we sit it out
+                refused = [e for e in failed if isinstance(e, ContributionRefused)]
+                if refused:
+                    raise refused[0]
                 named = [e for e in failed if isinstance(e, RoundFailed) and e.suspects]
                 raise next((e for e in named if own_evidence(e)), named[0] if named else failed[0])
             if pending:
@@ -490,8 +503,10 @@ class ReduceRound(Takeover):
             raise RoundFailed(f"reply from {pid[:8]} refused: {exc}", {pid}, "malformed") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
-                others = set(self.ids) - {pid, self.identity.peer_id}
-                named = relayed_suspects(exc.trailing_metadata(), others)
+                me = self.identity.peer_id
+                named = relayed_suspects(exc.trailing_metadata(), set(self.ids) - {pid})
+                if me in named and not self._poisoning:  # an injected poisoner plays an attacker: it retries
+                    raise ContributionRefused(f"{pid[:8]} refused our contribution: {exc.details()}") from exc
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
             if exc.code() == grpc.StatusCode.INTERNAL and (j, pid) not in self._sent:
                 # The owner ended the stream while our parts were still going out: grpc then reports its own failed

@@ -60,6 +60,20 @@ def poisoned(vector: torch.Tensor) -> torch.Tensor:
     return vector
 
 
+def outsized(step: int, vector: torch.Tensor) -> torch.Tensor:
+    """PEERD_FAULT_OUTSIZE=STEP:LO:HI (e.g. 1:0.3:0.45): at outer step STEP this peer's contribution is 100x its work
+    over that share of the vector, as an honest peer's is next to one CPU-starved owner's in lr warm-up (seen in CI:
+    12x the steps, 15x the norm per claimed work). Only the owner of that part refuses it. Unlike PEERD_FAULT_POISON
+    the peer runs the honest protocol."""
+    spec = _env("PEERD_FAULT_OUTSIZE").split(":")
+    if len(spec) != 3 or int(spec[0]) != step:
+        return vector
+    lo, hi = (int(float(x) * vector.numel()) for x in spec[1:])
+    out = vector.clone()
+    out[lo:hi] *= 100.0
+    return out
+
+
 def forge_frame(codec: Codec, x: torch.Tensor) -> bytes:
     """Fault injection only (a poisoning peer): frame `x` even when it holds NaN/Inf, which `encode` refuses, the
     way a hostile peer would craft it by hand: a valid uncompressed frame whose first body value is made NaN."""

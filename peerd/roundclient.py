@@ -30,6 +30,7 @@ from peerd.layout import checked_part_bytes
 from peerd.reachability import dialable
 from peerd.rendezvous import Behind, group_weights, included_tokens, member_weight
 from peerd.round_registry import HELD_WAIT_S, RoundRegistry
+from peerd.roundtypes import ContributionRefused
 from peerd.timings import join_offset_s
 from peerd.v1 import peerd_pb2 as pb
 
@@ -64,6 +65,7 @@ class RoundClient:
         # member of that round got the same group, so all of them agree on the next step's leader; switching on
         # each peer's live view of the flags instead split a step between the old leader and the new one.
         self.no_lead: set[str] = set()
+        self.sat_out = -1  # the DiLoCo step an owner refused our contribution at (ContributionRefused)
         # Rendezvous answers travel as changes to the member list of the member's previous group (group_delta.py)
         self.led_lists = LeaderLists()  # as a leader: the lists we answered against lately
         self.my_list = MemberList()  # as a member: our last group's list, which our requests name
@@ -356,6 +358,21 @@ class RoundClient:
         if isinstance(rnd, ReduceRound) and peer_id in rnd.ids:
             rnd.abort(RoundFailed(f"member {peer_id[:8]} is refused here ({reason})", {peer_id}, reason))
 
+    async def _wait_out(self, step: int) -> None:
+        """We sat `step` out: wait for the others' retry without us to finish it, then raise Behind (DiLoCo downloads
+        that state and keeps our work) rather than rejoin the step with the same work, which that owner refuses
+        again (each time a strike towards a ban there). Their leader waits for us up to a rendezvous timeout before
+        it closes the group without us, and their round takes up to a round timeout: waiting only the first, we
+        rejoined just as the group closed, three times, and were banned. The step not done by then: join it."""
+        net = self.d.cfg.network
+        until = time.monotonic() + net.rendezvous_timeout + net.round_timeout
+        while time.monotonic() < until:
+            done = max((self.d.membership.step_of(p) for p in self.d.membership.alive(include_self=False)), default=0)
+            if done > step:
+                raise Behind(done)
+            await asyncio.sleep(net.gossip_interval / 2)
+        log.info("step %d: the swarm has not finished it without us; joining it again", step)
+
     def register_round(self, round_id: bytes, rnd: Any) -> None:
         assert self.d.loop is not None
         self.registry.register(round_id, rnd)
@@ -383,6 +400,9 @@ class RoundClient:
         avoid: set[str] = set()
         failed_round = b""
         t0 = time.perf_counter()
+        if fragment < 0 and self.sat_out == step:
+            self.sat_out = -1
+            await self._wait_out(step)
         for attempt in range(6):
             t_rv = time.perf_counter()
             with self.registry.asking():  # held streams for rounds it does not hand us are answered after it
@@ -414,7 +434,7 @@ class RoundClient:
                 group,
                 self.d.identity,
                 self.d.run_id,
-                vector if weight == 1.0 else vector * weight,
+                faults.outsized(step, vector if weight == 1.0 else vector * weight),
                 self.d.codec,
                 self.d.executor,
                 self.d.cfg.network.round_timeout,
@@ -460,6 +480,11 @@ class RoundClient:
                     self.d.timing.local.failed(exc.suspects)
                     for s in exc.suspects:
                         self.d.membership.mark_unreachable(s, why=f"failed round: {exc.reason}")
+                if isinstance(exc, ContributionRefused):  # the same work would be refused again: see roundtypes.py
+                    self.sat_out = step
+                    log.warning("round for step %d: %s; sitting this step out, our work carries into the next round",
+                                step, exc)  # fmt: skip
+                    raise
                 log.warning("round for step %d (attempt %d) failed: %s; retrying", step, attempt, exc)
                 await asyncio.sleep(0.1 * (attempt + 1))
                 continue

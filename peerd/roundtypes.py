@@ -37,6 +37,14 @@ class OwnerLost(RoundFailed):
     restarted): the shard moves to the next in line instead of failing the round."""
 
 
+class ContributionRefused(RoundFailed):
+    """An owner refused our own contribution (its norm screen, robust.py, or its checks of our data) and aborted the
+    round naming us. The same work sent again is refused again, and each refusal is a strike towards a ban there: an
+    honest peer with 12x a CPU-starved owner's steps in lr warm-up was banned for 600 s within one outer step, and
+    every round after it was partial. So we sit the step out (roundclient.py) and our work carries into the next
+    round; a hostile owner that names us costs us one step, as aborting the round always could."""
+
+
 class StreamLate(RoundFailed):
     """An owner closed our contribution stream because its first part came too late (the slow-loris limit): our own
     lateness, not the owner's fault, so the exchange is opened again rather than the round failed."""

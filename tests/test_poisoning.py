@@ -209,3 +209,33 @@ def test_poisoning_peers_are_refused_then_banned_and_the_rest_train_on(tmp_path:
     # so either is evidence (CI run 69 saw only the second: banned all the same).
     assert "contribution norm" in log or f"peer {huge_id[:8]} sent invalid data (too_large)" in log, log[-3000:]
     assert "NaN" in log
+
+
+@pytest.mark.slow
+def test_an_honest_peer_whose_contribution_is_refused_sits_the_step_out_and_is_not_banned(tmp_path: Path) -> None:
+    """An honest peer's contribution can be far above one owner's own per claimed work (CI: 12x a CPU-starved owner's
+    steps in lr warm-up gave 15x its norm). Only that owner refused it, and it was not the leader, so the peer was in
+    every retry with the same work, was refused each time, and was banned there within the one outer step (3
+    strikes): every later round was partial. Refused once, it now sits the step out, downloads the swarm's state,
+    and its work carries on. PEERD_FAULT_OUTSIZE: 100x its work at step 1 in the part of the vector that peer 1 owns
+    (ids ascend with the index, so peer 0 leads and members own shards in id order)."""
+    config = tiny_config(tmp_path, run__outer_steps=5)
+    ids_in_order(tmp_path, 4)
+    swarm = Swarm(tmp_path, 0, config)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=4))
+        for i in (1, 2, 3):
+            env = {"PEERD_FAULT_OUTSIZE": "1:0.3:0.45"} if i == 3 else None
+            swarm.peers.append(swarm.spawn(i, swarm.peers[0].address, wait_peers=4, env=env))
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    log = swarm.peers[3].log()
+    assert "refused our contribution" in log and "sitting this step out" in log, log[-3000:]
+    ids = {p.summary()["peer_id"] for p in swarm.peers}
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["outer_step"] == 5 and s["finished"] and not s["banned"], s
+        later = [r for r in s["rounds"] if r["step"] >= 3]
+        assert later and all(set(r["included"]) == ids and not r["partial"] for r in later), s["rounds"]
+    assert_identical_globals([p.data_dir for p in swarm.peers])
