@@ -3,8 +3,8 @@ peers that keep sending invalid data are banned.
 
 Only a shard's owner sees the contributions to its shard, so the owner judges them: each contribution's norm is
 compared with a reference the owner trusts: its *own* pseudo-gradient for that shard (now, and its recent history)
-and, with three or more contributions, their lower median (which a minority cannot raise, and which keeps an owner
-whose own update happens to be tiny from refusing honest peers). An offender makes the owner abort the round, before
+and, with three or more contributions, their upper median (which a minority cannot raise past an honest value, and
+which keeps an owner whose own update happens to be tiny from refusing honest peers). An offender makes the owner abort the round, before
 any average leaves it, naming the offender as suspect; the members retry without it, so every shard of the final
 average covers the same peers (a round is never silently partial).
 
@@ -52,6 +52,14 @@ def lower_median(values: Sequence[float]) -> float:
     an honest value."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def upper_median(values: Sequence[float]) -> float:
+    """The higher of the two middle values (the median itself for an odd count): with n >= 3 and a strict minority
+    of outliers it is still an honest value. The owners' norm screen uses it: with four members, two CPU-starved
+    ones in lr warm-up put the lower median at their tiny norm, and an honest peer 15x above it was refused (CI)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def rms(t: torch.Tensor) -> float:
@@ -110,7 +118,7 @@ class ContributionGuard:
             mine = weights[me]
             norms = [n / w / max(1.0, w / mine) if w > 0 else n for n, w in zip(norms, weights, strict=True)]
         own = norms[me]
-        ref = max(self.reference(fragment, own), lower_median(norms) if len(norms) >= 3 else 0.0)
+        ref = max(self.reference(fragment, own), upper_median(norms) if len(norms) >= 3 else 0.0)
         self.record_own(fragment, own)
         bad = [i for i, n in enumerate(norms) if i != me and self.too_large(n, ref)]
         if bad:

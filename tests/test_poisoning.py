@@ -69,6 +69,21 @@ def test_an_owner_with_a_tiny_update_does_not_refuse_honest_peers() -> None:
         guard.screen(7, 0, contribs)
 
 
+def test_two_starved_owners_of_four_do_not_refuse_the_fast_honest_pair() -> None:
+    """CI: four members in lr warm-up, two CPU-starved (norms 0.00045 and 0.0006 per claimed work) and two not
+    (0.00473, 0.00938). The lower median was a starved one's and both fast peers were refused; the upper median is
+    a fast one's. A 1-in-4 minority still cannot lift it past an honest value: 100x an honest norm is refused."""
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(1000, generator=g)
+    scales = [0.0006, 0.00045, 0.00473, 0.00938]  # we are member 0, the starved owner
+    guard = ContributionGuard(RobustSection(max_norm_ratio=10.0))
+    guard.screen(1, 0, [base * k for k in scales])
+    hostile = [base * k for k in scales[:3]] + [base * 0.00473 * 100]
+    with pytest.raises(ContributionRejected) as err:
+        ContributionGuard(RobustSection(max_norm_ratio=10.0)).screen(1, 0, hostile)
+    assert err.value.offenders == [3]
+
+
 def test_weighted_contributions_are_judged_by_the_work_they_claim() -> None:
     """Seen in a windowed 2-peer run: the fast peer did 38x the slow owner's steps (its claim capped to 4x, weights
     0.4 and 1.6) and its pseudo-gradient was 10.5x the owner's; the weighted norms differed by 40x. Honest. The
