@@ -4,9 +4,10 @@ peers that keep sending invalid data are banned.
 Only a shard's owner sees the contributions to its shard, so the owner judges them: each contribution's norm is
 compared with a reference the owner trusts: its *own* pseudo-gradient for that shard (now, and its recent history)
 and, with three or more contributions, their upper median (which a minority cannot raise past an honest value, and
-which keeps an owner whose own update happens to be tiny from refusing honest peers). An offender makes the owner abort the round, before
-any average leaves it, naming the offender as suspect; the members retry without it, so every shard of the final
-average covers the same peers (a round is never silently partial).
+which keeps an owner whose own update happens to be tiny from refusing honest peers). An offender makes the owner
+abort the round, before any average leaves it, naming the offender as suspect; the members retry without it, so
+every shard of the final average covers the same peers (a round is never silently partial). An honest peer named so
+sits the step out rather than retry with the same work (roundtypes.ContributionRefused).
 
 Members check the averaged shards the owners send back against the lower median of all shards' norms. Every member
 receives the same bytes from every owner that is honest with it, so every member reaches the same verdict: a
