@@ -462,10 +462,10 @@ class Daemon:
     def record_round(
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
     ) -> None:
-        self.round_client.record_round(group, result, fragment, note=note, rendezvous_s=rendezvous_s)
+        self.round_client.book.record_round(group, result, fragment, note=note, rendezvous_s=rendezvous_s)
 
     def note_alone(self, included: int, expected: int) -> None:
-        self.round_client.note_alone(included, expected)
+        self.round_client.book.note_alone(included, expected)
 
     # -- state ---------------------------------------------------------------------------------------------------
     def publish(self, snapshot: StateSnapshot, finished: bool = False) -> None:

@@ -295,7 +295,7 @@ class Gossip:
             known=set(self.d.membership.entries),
         ):
             if line.startswith("this peer"):
-                why = self.d.round_client.self_evidence
+                why = self.d.round_client.book.self_evidence
                 line += (
                     f"; {why}"
                     if why

@@ -210,7 +210,7 @@ class _DaemonSponsoring:
             wanted = (
                 d.cfg.outer.slow_link == "sponsor"
                 and d.timing.may_be_sponsored(me)
-                and not d.round_client.self_evidence.startswith("your compute")  # sponsoring fixes links only
+                and not d.round_client.book.self_evidence.startswith("your compute")  # sponsoring fixes links only
             )
             was_probing = self.probe.left > 0
             joined = 0  # rounds we completed as a member since the probe began (counted only while probing)
