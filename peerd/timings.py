@@ -238,10 +238,17 @@ class SwarmTimings:
         for kind in (SLOW, FAULTY):
             views = {p.peer_id: [full.get(x, x) for x in getattr(p, kind)] for p in alive}
             views[self.me.peer_id] = [full.get(x, x) for x in getattr(self.me, kind)]
-            now = majority_suspects(views)
-            for view in views.values():
+            kind_votes: dict[str, int] = {}
+            for voter, view in views.items():
                 for pid in set(view):
                     votes[pid] = votes.get(pid, 0) + 1
+                    if pid != voter:
+                        kind_votes[pid] = kind_votes.get(pid, 0) + 1
+            # A new flag needs two voters besides its subject, not a majority of one. When the other peers left at
+            # the end of a CI run, the slow-link peer (to which everyone looks slow: their data reaches it through
+            # its own link) was the only voter left, and its word flagged a fast peer slow. A flag the swarm already
+            # holds stays while a strict majority keeps it, however few peers are left.
+            now = {pid for pid in majority_suspects(views) if pid in self.flagged[kind] or kind_votes.get(pid, 0) >= 2}
             for pid in sorted(now - self.flagged[kind]):
                 self.flagged_at.setdefault(pid, step)
                 who = "this peer" if pid == self.me.peer_id else f"peer {pid[:8]}"

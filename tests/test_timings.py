@@ -105,6 +105,23 @@ def test_the_swarm_flags_only_what_a_majority_of_the_others_report() -> None:
     assert any("no longer flagged" in line for line in sw.refresh([b, c, d], step=4))
 
 
+def test_one_voter_left_cannot_flag_a_peer_but_a_flag_already_held_stays() -> None:
+    """CI: at a run's end the fast peers left, and the slow-link peer's view (everyone looks slow through its link)
+    was the only one left: a majority of one flagged a fast peer slow."""
+    me = pb.PeerInfo(peer_id="a")
+    sw = SwarmTimings(me)
+    b, c, d = (pb.PeerInfo(peer_id=x) for x in "bcd")
+    for voter in (b, c):
+        voter.slow.append("d")
+    d.slow.extend(["a", "b", "c"])
+    for _ in range(CONFIRM):
+        sw.local.round(lag_s=lags(4.0))  # we see d late too
+    sw.refresh([b, c, d], step=1)
+    assert sw.flagged["slow"] == {"d"} and list(me.slow) == ["d"]
+    sw.refresh([d], step=6)  # b and c left; d alone still names us, and we name d
+    assert not sw.is_flagged("a") and sw.is_flagged("d")
+
+
 def test_verdicts_travel_as_id_prefixes_and_count_as_whole_ids() -> None:
     ids = [f"{k:02x}" * 16 for k in range(5)]  # 32 hex digits, as real peer ids
     me = pb.PeerInfo(peer_id=ids[0])
