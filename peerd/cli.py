@@ -465,6 +465,10 @@ def _log_outer_step(worker: object) -> None:
     rnd = st.last_round
     peers = f"{len(rnd.included)}/{len(rnd.expected)}" if rnd is not None else "-"
     secs = f"{rnd.seconds:.2f}s" if rnd is not None else "-"
+    if rnd is not None and worker.daemon.cfg.run.algorithm == "diloco" and rnd.step + 1 < st.outer_step:
+        # we reached this step by downloading the swarm's state (we were behind, or sat the round out): our last
+        # round was an older step's, and showing its "peers 3/3" here claimed a round we were not in
+        peers, secs = "- (state downloaded)", "-"
     sponsor = worker.daemon.me.sponsor
     if sponsor:  # our work goes through a sponsor's rounds: our own last round is old news, not this step's
         peers, secs = f"via sponsor {sponsor[:8]}", "-"

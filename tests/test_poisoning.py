@@ -7,6 +7,7 @@ four peers poison every contribution (the PEERD_FAULT_POISON injector, peerd/fau
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,8 @@ def test_an_honest_peer_whose_contribution_is_refused_sits_the_step_out_and_is_n
         swarm.stop()
     log = swarm.peers[3].log()
     assert "refused our contribution" in log and "sitting this step out" in log, log[-3000:]
+    # the step it reached by download says so, instead of the "peers 4/4" of a round it was not in
+    assert re.search(r"outer step \d+ \| .*\| peers - \(state downloaded\) \|", log), log[-3000:]
     ids = {p.summary()["peer_id"] for p in swarm.peers}
     for p in swarm.peers:
         s = p.summary()
