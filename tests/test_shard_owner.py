@@ -177,3 +177,14 @@ def test_a_stream_whose_reader_failed_earlier_fails_at_once() -> None:
         assert time.monotonic() - t0 < 1.0
 
     asyncio.run(main())
+
+
+def test_sum_of_squares_in_rows_matches_float64() -> None:
+    """The screening's squares (float32 rows added in float64) agree with an exact float64 sum to float32 row
+    precision, across the row boundary and for a tail shorter than a row, and are the same for the same bytes."""
+    for n in (0, 1, 1023, 1024, 1025, 5 * 1024 + 7, 300_001):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3.0
+        exact = float(x.double().square().sum())
+        got = sum_of_squares(x)
+        assert abs(got - exact) <= 1e-6 * exact, (n, got, exact)
+        assert sum_of_squares(x.clone()) == got
