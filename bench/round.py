@@ -31,13 +31,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from peerd.config import RunConfig
+    from peerd.config import RunConfig, apply_codec_recipe
     from peerd.daemon import Daemon
     from peerd.identity import Identity
     from peerd.statesync import StateSnapshot
 
     codec = {"name": args.codec, "zstd_level": args.zstd_level}
-    cfg = RunConfig.from_dict({"codec": codec, "network": dict(BENCH_NETWORK)})
+    raw = {"codec": codec, "network": dict(BENCH_NETWORK)}
+    apply_codec_recipe(raw, "diloco")  # sparse: the config refuses it without error feedback
+    cfg = RunConfig.from_dict(raw)
     data = Path(args.out).parent / f"peer{args.index}"
     daemon = Daemon(
         cfg, Identity.generate(), listen="127.0.0.1:0", bootstrap=args.bootstrap, data_dir=data, insecure=not args.tls
