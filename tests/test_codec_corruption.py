@@ -137,7 +137,7 @@ def test_lying_header_fields(name: str) -> None:
         "magic": (b"PDCG", "magic"),
         "version": (2, "version"),
         "dtype": (2, "dtype"),
-        "flags": (0x02, "flags"),
+        "flags": (0x04, "flags"),
         "reserved": (1, "reserved"),
         "numel": (N + 1, "elements"),
         "block": (h.block_size + 2, "block size"),
@@ -152,6 +152,22 @@ def test_lying_header_fields(name: str) -> None:
         rejects(name, with_fields(frame, payload=value, stored=value), match="scales/payload|length")
         rejects(name, with_fields(frame, stored=value))
     rejects(name, with_fields(frame, flags=1), match="compressed body length")  # raw body claimed compressed
+    rejects(name, with_fields(frame, flags=2), match="byte planes but not compressed")
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_byte_planes_only_from_codecs_that_send_them(name: str) -> None:
+    """A compressed frame that claims byte planes decodes only for fp32 and bf16 (the codecs without scales that
+    send them); every other codec refuses it rather than shuffle its scales and codes."""
+    x = torch.zeros(N)
+    x[::10] = 1.0  # compressible in every codec
+    frame = make_codec(name).encode(x)
+    h = parse(frame)
+    assert h.compressed and h.planes == (name in ("fp32", "bf16"))
+    if h.planes:
+        return
+    forged = with_fields(frame, flags=0x03)
+    rejects(name, forged, match="byte planes, which the")
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -316,3 +332,22 @@ def test_decoder_survives_every_prefix_of_a_compressed_frame() -> None:
     body = frame[HEADER_SIZE:-TRAILER_SIZE]
     for cut in range(1, len(body)):
         rejects("int4", with_body(frame, body[:cut], flags=1))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_byte_plane_frames_that_lie(name: str) -> None:
+    """A planes body is one zstd frame per plane, each declaring exactly its plane's bytes: a missing plane, a
+    plane that declares another size, and bytes after the last plane are refused before anything is trusted."""
+    width = 4 if name == "fp32" else 2
+    frame = frame_of(name, zstd=True)
+    h = parse(frame)
+    assert h.planes
+    body = frame[HEADER_SIZE : HEADER_SIZE + h.stored_len]
+    plane = h.raw_len // width
+    planes = [zstandard.ZstdCompressor().compress(bytes(plane)) for _ in range(width)]
+    assert len(make_codec(name).decode(with_body(frame, b"".join(planes)), N)) == N  # a forged but honest body
+    rejects(name, with_body(frame, b"".join(planes[:-1])), match="lacks plane")
+    rejects(name, with_body(frame, body + b"\0"), match="trailing data|lacks plane")
+    rejects(name, with_body(frame, b"".join(planes) + planes[0]), match="trailing data")
+    wrong = zstandard.ZstdCompressor().compress(bytes(plane + 1))
+    rejects(name, with_body(frame, b"".join([wrong, *planes[1:]])), match="declares")

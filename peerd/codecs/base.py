@@ -15,9 +15,26 @@ import torch
 from torch import Tensor
 
 from peerd.codecs import hostmem
-from peerd.codecs.compression import DEFAULT_LEVEL, check_level, compress_if_pays, decompress_into
+from peerd.codecs.byteplanes import from_planes, to_planes
+from peerd.codecs.compression import (
+    DEFAULT_LEVEL,
+    check_level,
+    compress_if_pays,
+    compress_planes_if_pays,
+    decompress_into,
+    decompress_planes_into,
+)
 from peerd.codecs.errors import CodecError
-from peerd.codecs.frame import FLAG_ZSTD, HEADER_SIZE, TRAILER_SIZE, FrameHeader, SealedFrame, open_frame, seal_parts
+from peerd.codecs.frame import (
+    FLAG_PLANES,
+    FLAG_ZSTD,
+    HEADER_SIZE,
+    TRAILER_SIZE,
+    FrameHeader,
+    SealedFrame,
+    open_frame,
+    seal_parts,
+)
 
 MAX_NUMEL = 1 << 40
 """Largest tensor a frame may describe (4 TiB of float32): a sanity bound on sizes, far above any fragment."""
@@ -72,6 +89,8 @@ class Codec(ABC):
     codec_id: int
     lossless: bool = False
     """True when ``decode(encode(x))`` is bit-identical to ``x``: a round may then use ``x`` itself."""
+    plane_width: int = 0
+    """Bytes per value of a scale-free body that zstd gets as byte planes (peerd/codecs/byteplanes.py); 0: as is."""
 
     def __init__(self, *, zstd_level: int = DEFAULT_LEVEL, zstd: bool = True) -> None:
         self.zstd_level = check_level(zstd_level)
@@ -111,12 +130,18 @@ class Codec(ABC):
         if body.numel() != scales_len + payload_len:  # pragma: no cover - guards subclass bugs
             raise AssertionError(f"{self.name} body is {body.numel()} bytes, layout says {scales_len + payload_len}")
         raw = host_byte_view(body) if body.numel() else memoryview(b"")
-        packed = compress_if_pays(raw, self.zstd_level) if self.zstd else None
+        packed, flags = None, 0
+        if self.zstd and self.plane_width and not scales_len and body.numel():
+            planes = to_planes(body, self.plane_width)
+            packed = compress_planes_if_pays(host_byte_view(planes), self.plane_width, self.zstd_level)
+            flags = FLAG_ZSTD | FLAG_PLANES
+        elif self.zstd:
+            packed, flags = compress_if_pays(raw, self.zstd_level), FLAG_ZSTD
         header = FrameHeader(
             codec_id=self.codec_id,
             numel=numel,
             block_size=self.block_size,
-            flags=FLAG_ZSTD if packed is not None else 0,
+            flags=flags if packed is not None else 0,
             scales_len=scales_len,
             payload_len=payload_len,
             stored_len=len(packed) if packed is not None else len(raw),
@@ -154,7 +179,12 @@ class Codec(ABC):
             body = torch.frombuffer(stored, dtype=torch.uint8)
         else:
             body = hostmem.empty(header.raw_len, torch.uint8, torch.device("cpu"))
-            if header.compressed:
+            if header.planes:
+                if not self.plane_width or scales_len:
+                    raise CodecError(f"frame says its body is in byte planes, which the {self.name} codec never sends")
+                decompress_planes_into(stored, host_byte_view(body), self.plane_width)
+                body = from_planes(body, self.plane_width)
+            elif header.compressed:
                 decompress_into(stored, host_byte_view(body))
             else:
                 host_byte_view(body)[:] = stored

@@ -18,6 +18,7 @@ class Fp32Codec(Codec):
 
     name, codec_id = "fp32", 1
     lossless = True
+    plane_width = 4
 
     def body_layout(self, numel: int) -> tuple[int, int]:
         return 0, 4 * numel
@@ -36,6 +37,7 @@ class Bf16Codec(Codec):
     """bfloat16 cast: relative error <= 2^-8; rejects inputs that would round to Inf."""
 
     name, codec_id = "bf16", 2
+    plane_width = 2
 
     def body_layout(self, numel: int) -> tuple[int, int]:
         return 0, 2 * numel

@@ -65,6 +65,35 @@ def compress_if_pays(raw: memoryview, level: int) -> bytes | None:
     return packed if len(packed) < PAYS_RATIO * len(raw) else None
 
 
+def compress_planes_if_pays(planes: memoryview, width: int, level: int) -> bytes | None:
+    """zstd each of the ``width`` equal planes of ``planes`` as a frame of its own, concatenated; None when the
+    whole would not be below PAYS_RATIO of the raw size. Each frame gets its own entropy tables: in one frame the
+    planes of a part up to 128 KiB (one zstd block) shared a single table and compressed no better than the
+    interleaved bytes (peerd/codecs/byteplanes.py)."""
+    if len(planes) < MIN_COMPRESS_BYTES:
+        return None
+    n = len(planes) // width
+    comp = _compressor(level)
+    packed = b"".join(comp.compress(planes[i * n : (i + 1) * n]) for i in range(width))
+    return packed if len(packed) < PAYS_RATIO * len(planes) else None
+
+
+def decompress_planes_into(stored: memoryview, out: memoryview, width: int) -> None:
+    """The inverse of `compress_planes_if_pays`: ``width`` zstd frames back to back, each filling exactly its
+    plane of ``out`` and checked as `decompress_into` checks one; no bytes may follow the last."""
+    n = len(out) // width
+    pos = 0
+    for i in range(width):
+        rest = stored[pos:]
+        if len(rest) < 4 or bytes(rest[:4]) != _ZSTD_MAGIC:
+            raise CodecError(f"compressed body lacks plane {i + 1} of {width} (bad zstd magic)")
+        length = _frame_length(rest, max_blocks=n // 1024 + 2)
+        decompress_into(rest[:length], out[i * n : (i + 1) * n])
+        pos += length
+    if pos != len(stored):
+        raise CodecError(f"compressed body has {len(stored) - pos} bytes after its last plane: trailing data")
+
+
 def _frame_length(stored: memoryview, max_blocks: int) -> int:
     """Byte length of the single zstd frame at the start of ``stored``, walking its block headers."""
     try:

@@ -7,7 +7,8 @@ Layout (all integers little-endian)::
     4      1    version (1)
     5      1    codec id
     6      1    dtype of the decoded tensor (1 = float32)
-    7      1    flags (bit 0: the body is one zstd frame)
+    7      1    flags (bit 0: the body is one zstd frame; bit 1: what it decompresses to is byte planes, see
+                byteplanes.py, set only with bit 0 and only by codecs without scales)
     8      4    block size (0 for codecs without blocks)
     12     4    reserved, must be 0
     16     8    numel of the decoded tensor
@@ -38,7 +39,8 @@ MAGIC = b"PDCF"
 VERSION = 1
 DTYPE_FLOAT32 = 1
 FLAG_ZSTD = 0x01
-KNOWN_FLAGS = FLAG_ZSTD
+FLAG_PLANES = 0x02
+KNOWN_FLAGS = FLAG_ZSTD | FLAG_PLANES
 
 _HEADER = struct.Struct("<4sBBBBIIQQQQ")
 _TRAILER = struct.Struct("<I")
@@ -65,6 +67,10 @@ class FrameHeader:
     @property
     def compressed(self) -> bool:
         return bool(self.flags & FLAG_ZSTD)
+
+    @property
+    def planes(self) -> bool:
+        return bool(self.flags & FLAG_PLANES)
 
     @property
     def raw_len(self) -> int:
@@ -126,6 +132,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if reserved != 0:
         raise CodecError("reserved header field is not zero")
     raw_len = scales_len + payload_len
+    if flags & FLAG_PLANES and not flags & FLAG_ZSTD:
+        raise CodecError("frame says its body is in byte planes but not compressed: planes only go under zstd")
     if flags & FLAG_ZSTD:
         if not 0 < stored_len < raw_len:
             raise CodecError(f"compressed body length {stored_len} is not in (0, raw length {raw_len})")
