@@ -61,6 +61,7 @@ from peerd.roundtypes import (
     StreamLate,
     own_evidence,
     part_messages,
+    refuses,
     rms,
     shared,
     sum_of_squares,
@@ -503,9 +504,10 @@ class ReduceRound(Takeover):
             raise RoundFailed(f"reply from {pid[:8]} refused: {exc}", {pid}, "malformed") from exc
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
-                me = self.identity.peer_id
-                named = relayed_suspects(exc.trailing_metadata(), set(self.ids) - {pid})
-                if me in named and not self._poisoning:  # an injected poisoner plays an attacker: it retries
+                metadata = exc.trailing_metadata()
+                named = relayed_suspects(metadata, set(self.ids) - {pid})
+                refused = refuses(metadata, self.identity.peer_id, set(self.ids) - {pid})
+                if refused and not self._poisoning:  # an injected poisoner plays an attacker: it retries
                     raise ContributionRefused(f"{pid[:8]} refused our contribution: {exc.details()}") from exc
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
             if exc.code() == grpc.StatusCode.INTERNAL and (j, pid) not in self._sent:

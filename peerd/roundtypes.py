@@ -70,8 +70,23 @@ SUSPECTS_KEY = "peerd-suspects"
 aborted retried with the offender again, while the rest of the group retried without it: two groups, one step."""
 
 
+REASON_KEY = "peerd-abort-reason"
+"""Trailing metadata next to SUSPECTS_KEY: why the owner aborted. Only "rejected" (its checks refused the named
+members' data) makes a named member sit the step out; one named because the owner timed out waiting for it retries
+(run AV: an owner that heard from nobody in 120 s named 57 members, and one of them logged that its contribution was
+refused and sat the step out)."""
+
+
 def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
-    return ((SUSPECTS_KEY, ",".join(sorted(exc.suspects))),) if exc.suspects else ()
+    if not exc.suspects:
+        return ()
+    return (SUSPECTS_KEY, ",".join(sorted(exc.suspects))), (REASON_KEY, exc.reason[:64])
+
+
+def refuses(metadata: object, me: str, allowed: set[str]) -> bool:
+    """Whether an aborting owner's metadata says its checks refused our own data (ContributionRefused)."""
+    reasons = {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
+    return reasons == {"rejected"} and me in relayed_suspects(metadata, allowed | {me})
 
 
 def relayed_suspects(metadata: object, allowed: set[str]) -> set[str]:

@@ -9,6 +9,7 @@ from peerd.allreduce import SUSPECTS_KEY, RoundFailed, relayed_suspects, suspect
 from peerd.identity import peer_id_of
 from peerd.membership import Membership
 from peerd.rendezvous import MAX_WEIGHT_RATIO, RendezvousLeader, capped_tokens, group_weights, member_weight
+from peerd.roundtypes import REASON_KEY, refuses
 from peerd.v1 import peerd_pb2 as pb
 
 
@@ -305,6 +306,21 @@ def test_relayed_suspects_are_limited_to_the_rounds_other_members() -> None:
     assert relayed_suspects((("other", "x" * 32),), {"x" * 32}) == set()
     assert relayed_suspects(None, {"x" * 32}) == set()
     assert suspects_metadata(RoundFailed("timeout")) == ()
+
+
+def test_only_an_owners_refusal_of_our_data_makes_us_sit_the_step_out() -> None:
+    """An owner that timed out waiting for us names us too (so the others retry without us), but our data was never
+    refused: we retry. Run AV had a member log "refused our contribution" and sit out on such a timeout."""
+    me, other = "m" * 32, "o" * 32
+    allowed = {me, other}
+    rejected = suspects_metadata(RoundFailed("refused contributions from [m]", {me}, "rejected"))
+    timed_out = suspects_metadata(RoundFailed("round timed out waiting for [m, o]", {me, other}, "timeout"))
+    assert refuses(rejected, me, allowed)
+    assert not refuses(timed_out, me, allowed)
+    assert relayed_suspects(timed_out, allowed) == {me, other}  # still named, for the others' retry
+    assert not refuses(rejected, other, allowed)  # someone else's data
+    assert not refuses(rejected[:1], me, allowed)  # no reason given: not a refusal
+    assert not refuses((*rejected, (REASON_KEY, "timeout")), me, allowed)  # contradictory reasons
 
 
 def test_a_leader_the_swarm_went_past_closes_empty_rather_than_train_alone() -> None:
