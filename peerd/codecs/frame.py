@@ -7,8 +7,8 @@ Layout (all integers little-endian)::
     4      1    version (1)
     5      1    codec id
     6      1    dtype of the decoded tensor (1 = float32)
-    7      1    flags (bit 0: the body is one zstd frame; bit 1: what it decompresses to is byte planes, see
-                byteplanes.py, set only with bit 0 and only by codecs without scales)
+    7      1    flags (bit 0: the body is zstd, one frame; bit 1, only with bit 0 and only from codecs without
+                scales: one zstd frame per byte plane, which decompress to byte planes, see byteplanes.py)
     8      4    block size (0 for codecs without blocks)
     12     4    reserved, must be 0
     16     8    numel of the decoded tensor
