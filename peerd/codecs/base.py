@@ -20,7 +20,6 @@ from peerd.codecs.compression import (
     DEFAULT_LEVEL,
     check_level,
     compress_if_pays,
-    compress_planes_if_pays,
     decompress_into,
     decompress_planes_into,
 )
@@ -133,7 +132,7 @@ class Codec(ABC):
         packed, flags = None, 0
         if self.zstd and self.plane_width and not scales_len and body.numel():
             planes = to_planes(body, self.plane_width)
-            packed = compress_planes_if_pays(host_byte_view(planes), self.plane_width, self.zstd_level)
+            packed = compress_if_pays(host_byte_view(planes), self.zstd_level, planes=self.plane_width)
             flags = FLAG_ZSTD | FLAG_PLANES
         elif self.zstd:
             packed, flags = compress_if_pays(raw, self.zstd_level), FLAG_ZSTD

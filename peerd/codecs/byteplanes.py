@@ -2,7 +2,7 @@
 
 A float32 update's top byte (sign and high exponent bits) takes few values and its low mantissa bytes look random;
 interleaved, zstd's matcher finds little in either. Grouped into planes (every value's byte 0, then every value's
-byte 1, ...), each compressed as a zstd frame of its own (compression.py `compress_planes_if_pays`), the exponent
+byte 1, ...), each compressed as a zstd frame of its own (compression.py `compress_if_pays`), the exponent
 planes shrink and the mantissa planes pass through: on a pseudo-gradient of the small model (`python -m bench.codec
 --cpu-time`), fp32 frames went from 0.906 to 0.809 of raw and bf16 from 0.375 to 0.324 of fp32.
 

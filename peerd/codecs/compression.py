@@ -54,33 +54,29 @@ def check_level(level: int) -> int:
     return level
 
 
-def compress_if_pays(raw: memoryview, level: int) -> bytes | None:
+def compress_if_pays(raw: memoryview, level: int, planes: int = 1) -> bytes | None:
     """zstd-compress ``raw``; None when the result would not be below PAYS_RATIO of the raw size.
 
-    No sampling heuristic is needed: zstd detects incompressible blocks and stores them at >1 GB/s.
+    With ``planes`` > 1, ``raw`` is that many equal byte planes (byteplanes.py), each compressed as a zstd frame of
+    its own and concatenated (`decompress_planes_into` reads them): each frame gets its own entropy tables, where in
+    one frame the planes of a part up to 128 KiB (one zstd block) shared a single table and compressed no better than
+    the interleaved bytes. No sampling heuristic is needed: zstd detects incompressible blocks and stores them at
+    >1 GB/s.
     """
     if len(raw) < MIN_COMPRESS_BYTES:
         return None
-    packed = _compressor(level).compress(raw)
+    comp = _compressor(level)
+    if planes == 1:
+        packed = comp.compress(raw)
+    else:
+        n = len(raw) // planes
+        packed = b"".join(comp.compress(raw[i * n : (i + 1) * n]) for i in range(planes))
     return packed if len(packed) < PAYS_RATIO * len(raw) else None
 
 
-def compress_planes_if_pays(planes: memoryview, width: int, level: int) -> bytes | None:
-    """zstd each of the ``width`` equal planes of ``planes`` as a frame of its own, concatenated; None when the
-    whole would not be below PAYS_RATIO of the raw size. Each frame gets its own entropy tables: in one frame the
-    planes of a part up to 128 KiB (one zstd block) shared a single table and compressed no better than the
-    interleaved bytes (peerd/codecs/byteplanes.py)."""
-    if len(planes) < MIN_COMPRESS_BYTES:
-        return None
-    n = len(planes) // width
-    comp = _compressor(level)
-    packed = b"".join(comp.compress(planes[i * n : (i + 1) * n]) for i in range(width))
-    return packed if len(packed) < PAYS_RATIO * len(planes) else None
-
-
 def decompress_planes_into(stored: memoryview, out: memoryview, width: int) -> None:
-    """The inverse of `compress_planes_if_pays`: ``width`` zstd frames back to back, each filling exactly its
-    plane of ``out`` and checked as `decompress_into` checks one; no bytes may follow the last."""
+    """The inverse of `compress_if_pays` with ``planes=width``: ``width`` zstd frames back to back, each filling
+    exactly its plane of ``out`` and checked as `decompress_into` checks one; no bytes may follow the last."""
     n = len(out) // width
     pos = 0
     for i in range(width):
