@@ -61,6 +61,7 @@ from peerd.roundtypes import (
     StreamLate,
     own_evidence,
     part_messages,
+    refused_stream,
     refuses,
     rms,
     shared,
@@ -510,6 +511,13 @@ class ReduceRound(Takeover):
                 if refused and not self._poisoning:  # an injected poisoner plays an attacker: it retries
                     raise ContributionRefused(f"{pid[:8]} refused our contribution: {exc.details()}") from exc
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and refused_stream(exc.trailing_metadata()):
+                # The owner's checks refused the data we sent it (and aborted its round naming us): blaming it as
+                # lost made the sender of a corrupt part avoid that leader and retry with the others, who were
+                # retrying without it (CI: a run of test_a_corrupt_later_part_aborts_the_round_naming_its_sender)
+                if not self._poisoning:
+                    raise ContributionRefused(f"{pid[:8]} refused our contribution: {exc.details()}") from exc
+                raise RoundFailed(f"{pid[:8]} refused our contribution: {exc.details()}", set(), "aborted") from exc
             if exc.code() == grpc.StatusCode.INTERNAL and (j, pid) not in self._sent:
                 # The owner ended the stream while our parts were still going out: grpc then reports its own failed
                 # write, not the owner's status. The owner died, or aborted its round. Either way its shard moves

@@ -78,13 +78,20 @@ class RequestChecks:
         except LimitExceeded as exc:
             await self.refuse(context, exc.reason, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {exc}")
 
-    async def refuse(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, msg: str) -> NoReturn:
+    async def refuse(
+        self,
+        context: grpc.aio.ServicerContext,
+        reason: str,
+        code: grpc.StatusCode,
+        msg: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> NoReturn:
         self.count_rejected(reason)
         shown, suppressed = self.refusal_log.allow(reason)
         if shown:
             more = f" ({suppressed} more refused for this reason were not logged)" if suppressed else ""
             log.warning("refused a request (%s): %s%s", reason, msg, more)
-        await context.abort(code, msg)
+        await context.abort(code, msg, metadata)
         raise AssertionError("unreachable")  # context.abort raises
 
     async def admit(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> None:

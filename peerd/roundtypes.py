@@ -83,10 +83,23 @@ def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
     return (SUSPECTS_KEY, ",".join(sorted(exc.suspects))), (REASON_KEY, exc.reason[:64])
 
 
+REFUSED_REASONS = frozenset({"rejected", "malformed"})
+"""Abort reasons that mean an owner's checks refused the named members' data (its norm screen, or data that did not
+decode or match the round), as opposed to its waiting for them ("timeout") or relaying another owner's word."""
+
+
 def refuses(metadata: object, me: str, allowed: set[str]) -> bool:
     """Whether an aborting owner's metadata says its checks refused our own data (ContributionRefused)."""
     reasons = {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
-    return reasons == {"rejected"} and me in relayed_suspects(metadata, allowed | {me})
+    return bool(reasons) and reasons <= REFUSED_REASONS and me in relayed_suspects(metadata, allowed | {me})
+
+
+def refused_stream(metadata: object) -> bool:
+    """Whether an owner that ended our contribution stream with INVALID_ARGUMENT refused the data on it (it tags the
+    refusal with REASON_KEY): our contribution was refused, not the owner lost. A stream that stalled ("timeout") or
+    broke off ("truncated") was our lateness, which the owner forgives by dropping it."""
+    reasons = {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
+    return bool(reasons) and not reasons & {"timeout", "truncated"}
 
 
 def relayed_suspects(metadata: object, allowed: set[str]) -> set[str]:

@@ -27,6 +27,7 @@ from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
+from peerd.roundtypes import REASON_KEY
 from peerd.statesync import StateSnapshot, check_ranges, state_messages
 from peerd.streams import StreamError, prepend, verify_header
 from peerd.v1 import peerd_pb2 as pb
@@ -279,7 +280,8 @@ class RoundsService(rpc.RoundsServicer):
                     self.checks.suspect(sender, reason)
                 if reason not in ("truncated", "timeout"):
                     rnd.abort(RoundFailed(f"bad contribution from {sender[:8]}: {exc}", {sender}, "malformed"))
-            await self.checks.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}")
+            tag = ((REASON_KEY, reason[:64]),)  # the sender learns its data was refused, not that we were lost
+            await self.checks.refuse(context, reason, grpc.StatusCode.INVALID_ARGUMENT, f"Reduce: {exc}", tag)
         except RoundFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"round failed: {exc}", suspects_metadata(exc))
         except TimeoutError:

@@ -9,7 +9,7 @@ from peerd.allreduce import SUSPECTS_KEY, RoundFailed, relayed_suspects, suspect
 from peerd.identity import peer_id_of
 from peerd.membership import Membership
 from peerd.rendezvous import MAX_WEIGHT_RATIO, RendezvousLeader, capped_tokens, group_weights, member_weight
-from peerd.roundtypes import REASON_KEY, refuses
+from peerd.roundtypes import REASON_KEY, refused_stream, refuses
 from peerd.v1 import peerd_pb2 as pb
 
 
@@ -321,6 +321,19 @@ def test_only_an_owners_refusal_of_our_data_makes_us_sit_the_step_out() -> None:
     assert not refuses(rejected, other, allowed)  # someone else's data
     assert not refuses(rejected[:1], me, allowed)  # no reason given: not a refusal
     assert not refuses((*rejected, (REASON_KEY, "timeout")), me, allowed)  # contradictory reasons
+    malformed = suspects_metadata(RoundFailed("bad contribution from m: part 2 does not decode", {me}, "malformed"))
+    assert refuses(malformed, me, allowed)  # its checks refused our data too
+    relayed = suspects_metadata(RoundFailed("o aborted the round", {me}))  # another owner's word: we retry
+    assert not refuses(relayed, me, allowed)
+
+
+def test_a_refused_contribution_stream_is_ours_not_a_lost_owner() -> None:
+    """An owner that ends our contribution stream with INVALID_ARGUMENT tags why: data it refused sits us out; a
+    stream that stalled or broke off does not, and an untagged refusal (a request that did not parse) stays a
+    failed exchange."""
+    assert refused_stream(((REASON_KEY, "malformed"),)) and refused_stream(((REASON_KEY, "nan"),))
+    assert not refused_stream(((REASON_KEY, "timeout"),)) and not refused_stream(((REASON_KEY, "truncated"),))
+    assert not refused_stream(()) and not refused_stream(None)
 
 
 def test_a_leader_the_swarm_went_past_closes_empty_rather_than_train_alone() -> None:
