@@ -22,7 +22,7 @@ from peerd.codecs import (
     parse_header,
 )
 from peerd.codecs.feedback import FEEDBACK_AGAINST
-from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, MAX_SPARSE_BLOCK, SparseCodec
+from peerd.codecs.sparse import BITS_CHOICES, DEFAULT_BITS, DEFAULT_DENSITY, GROUP, MAX_SPARSE_BLOCK, SparseCodec
 from peerd.config import FEEDBACK_AGAINST as CONFIG_FEEDBACK_AGAINST
 from peerd.config import SPARSE_BITS, SPARSE_MAX_BLOCK, CodecSection, ConfigError, RunConfig, sparse_recipe
 from tests.test_codec_corruption import reseal, with_fields
@@ -74,6 +74,29 @@ def test_keeps_the_top_k_of_every_block_within_half_a_step(bits: int, n: int) ->
         # a kept value is at least the smallest level (one step): below it, it rounds up to that level
         err = (ys[ks] - xs[ks]).abs()
         assert bool((err <= torch.clamp(step - xs[ks].abs(), min=step / 2) + 1e-6).all())
+
+
+@pytest.mark.parametrize(("block", "density"), [(256, 0.04), (256, 0.25), (64, 0.05), (100, 0.04), (1024, 0.02)])
+def test_the_two_stage_selection_keeps_what_a_full_ranking_keeps(block: int, density: float) -> None:
+    """The grouped top-k (sparse.GROUP candidates per group) against one plain ranking per block, on rows built to
+    trip it: the largest values packed into neighbouring groups, one large value per group, ties, and zeros."""
+    codec = sparse(block_size=block, density=density)
+    k, rows = codec.k, 40
+    x = torch.randn(rows, block, generator=torch.Generator().manual_seed(block))
+    x[0, : 2 * k] = 50.0 + torch.arange(2 * k)  # every kept value in the first few groups
+    x[1, ::GROUP] = -9.0  # as many group maxima as groups, all equal
+    x[2] = 1.0  # all ties
+    x[3] = 0.0
+    x[3, block - 1] = -2.0
+    x[4] = -0.0
+    scales, index, values = torch.empty(rows), torch.empty(rows * k, dtype=torch.int64), torch.empty(rows * k)
+    SparseCodec._top_k(x, k, scales, index, values)
+    idx = index.view(rows, k)
+    assert bool((idx[:, 1:] > idx[:, :-1]).all())  # ascending, no position twice
+    ranked = x.abs().topk(k, dim=1).values.sort(dim=1).values
+    assert torch.equal(x.abs().gather(1, idx).sort(dim=1).values, ranked)  # the same magnitudes (ties: any of them)
+    assert torch.equal(values, x.gather(1, idx).reshape(-1))
+    assert torch.equal(scales, x.abs().amax(dim=1))
 
 
 @pytest.mark.parametrize("bits", BITS_CHOICES)

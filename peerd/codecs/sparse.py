@@ -42,6 +42,7 @@ DEFAULT_BITS = 2
 BITS_CHOICES = (2, 4, 8)
 MAX_SPARSE_BLOCK = 1 << 16
 CHUNK_ELEMS = 1 << 18  # CPU work runs over row chunks of about this many values, so temporaries stay in cache
+GROUP = 4  # values per group in the two-stage top-k (4 measured fastest of 4, 8 and 16 on 256-value blocks)
 
 
 def check_sparse_params(density: float, bits: int, block_size: int) -> None:
@@ -128,10 +129,28 @@ class SparseCodec(Codec):
 
     @staticmethod
     def _top_k(xb: Tensor, k: int, scale_out: Tensor, index_out: Tensor, value_out: Tensor) -> None:
-        """Per row: the absmax, and the ``k`` largest magnitudes' positions (ascending) and values."""
-        mag = xb.abs()
-        torch.amax(mag, dim=1, out=scale_out)  # NaN propagates; checked once all blocks are done
-        idx = torch.topk(mag, k, dim=1, sorted=False).indices.sort(dim=1).values
+        """Per row: the absmax, and the ``k`` largest magnitudes' positions (ascending) and values.
+
+        Magnitudes compare as their int32 bit patterns, which order non-negative floats as the floats do (NaN above
+        Inf: the absmax carries it to the scale check) and which ``topk`` ranks faster. Where a row splits into
+        groups of GROUP, the selection runs in two exact stages: the ``k`` largest values lie in the ``k`` groups
+        with the largest maxima (a value in any other group has ``k`` group maxima at least as large), so the full
+        ranking runs on ``k * GROUP`` candidates instead of the whole row. Top-k was 45% of a CPU sparse round; this
+        is about half the CPU time on 256-value blocks (`python -m bench.codec --codecs sparse`)."""
+        rows, width = xb.shape
+        mag = xb.abs().view(torch.int32)
+        if width % GROUP or k * GROUP >= width:
+            scale_out.view(torch.int32).copy_(mag.amax(dim=1))
+            idx = torch.topk(mag, k, dim=1, sorted=False).indices
+        else:
+            top = mag.view(rows, width // GROUP, GROUP).amax(dim=2)
+            scale_out.view(torch.int32).copy_(top.amax(dim=1))
+            groups = torch.topk(top, k, dim=1, sorted=False).indices
+            within = torch.arange(GROUP, device=xb.device)
+            candidates = (groups.unsqueeze(2) * GROUP + within).view(rows, k * GROUP)
+            picked = torch.topk(mag.gather(1, candidates), k, dim=1, sorted=False).indices
+            idx = candidates.gather(1, picked)
+        idx = idx.sort(dim=1).values
         index_out.copy_(idx.reshape(-1))
         value_out.copy_(xb.gather(1, idx).reshape(-1))
 
