@@ -47,7 +47,7 @@ import torch
 
 from peerd import faults
 from peerd.channels import end_call
-from peerd.codecs import Codec, CodecError
+from peerd.codecs import Codec, CodecError, hostmem
 from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
 from peerd.envelope import Verifier
@@ -156,7 +156,7 @@ class ReduceRound(Takeover):
         self.stats = RoundStats()
         self.ctx = RoundContext(
             group, self.ids, self.member, identity, run_id, codec, executor, chunk_bytes, guard, on_invalid,
-            self._place, self.member_left, self.stats, self.deadline, weights,
+            self._result, self.member_left, self.stats, self.deadline, weights,
         )  # fmt: skip
         self.created = self.ctx.created
         self.arrival_s = self.ctx.arrival_s  # member -> seconds after this round began that its contribution arrived
@@ -399,15 +399,15 @@ class ReduceRound(Takeover):
         """Refuse a vector no codec would send (what encoding it whole used to refuse) before any stream opens, and
         allocate the result (and, for error feedback, what our parts decode to)."""
         finite_or_raise(check_input(self.vector), "input tensor")
-        self.average = torch.empty(self.vector.numel(), dtype=torch.float32)
+        self.average = hostmem.empty(self.vector.numel(), torch.float32, torch.device("cpu"))
         if self.want_decoded and not self.codec.lossless:
-            self._decoded = torch.empty(self.vector.numel(), dtype=torch.float32)
+            self._decoded = hostmem.empty(self.vector.numel(), torch.float32, torch.device("cpu"))
 
-    def _place(self, bounds: tuple[int, int], values: torch.Tensor) -> None:
-        """Copy an averaged part into the result as soon as it is known (in the executor, overlapping the waits
-        for the others) rather than assembling all of them at the end."""
+    def _result(self, bounds: tuple[int, int]) -> torch.Tensor:
+        """Where an averaged part goes in the result: it is decoded or copied there as soon as it is known (in the
+        executor, overlapping the waits for the others) rather than assembled at the end."""
         assert self.average is not None
-        self.average[bounds[0] : bounds[1]] = values
+        return self.average[bounds[0] : bounds[1]]
 
     def _encode_part(self, j: int, k: int, ours: bool = False) -> bytes | SealedFrame:
         """Our contribution's part k of shard j as a frame (in the executor, one part ahead of the stream)."""
@@ -421,7 +421,7 @@ class ReduceRound(Takeover):
         else:
             frame = self.codec.encode_frame(x.contiguous())
             if self._decoded is not None:  # for error feedback
-                self._decoded[lo:hi] = self.codec.decode(bytes(frame), hi - lo)
+                self.codec.decode_into(bytes(frame), self._decoded[lo:hi])
         return frame if ours else faults.corrupt(frame, k)
 
     async def _send_parts(self, j: int, owner: str) -> AsyncIterator[pb.TensorMessage]:
@@ -537,9 +537,7 @@ class ReduceRound(Takeover):
             end_call(call)
 
     def _decode_reply(self, bounds: tuple[int, int], payload: bytearray) -> float:
-        reply = self.codec.decode(payload, bounds[1] - bounds[0])
-        self._place(bounds, reply)
-        return sum_of_squares(reply)
+        return sum_of_squares(self.codec.decode_into(payload, self._result(bounds)))
 
     def _as_failure(self, exc: BaseException, tasks: dict[int, asyncio.Future]) -> RoundFailed:
         if isinstance(exc, RoundFailed):

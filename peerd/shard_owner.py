@@ -55,7 +55,7 @@ class RoundContext:
     chunk_bytes: int
     guard: ContributionGuard | None
     on_invalid: Callable[[str, str], None] | None
-    place: Callable[[tuple[int, int], torch.Tensor], None]  # copies an averaged part into our result
+    result: Callable[[tuple[int, int]], torch.Tensor]  # our result's slice [lo, hi), where an averaged part goes
     on_left: Callable[[str], None]  # a member's stream to us broke off: it left the round
     stats: RoundStats
     deadline: float  # time.monotonic()
@@ -284,8 +284,8 @@ class ShardOwner:
             # subset is off by mean(w) over that subset: divide it out, keeping the token-weighted mean
             acc.mul_(len(idx) / sum(ctx.weights[i] for i in idx))
         encoded = ctx.codec.encode_frame(acc)
-        own = acc if ctx.codec.lossless else ctx.codec.decode(bytes(encoded), acc.numel())
-        ctx.place(self.parts[k], own)
+        out = ctx.result(self.parts[k])
+        own = out.copy_(acc) if ctx.codec.lossless else ctx.codec.decode_into(bytes(encoded), out)
         return encoded, sum_of_squares(own), included_mask(self.n, idx)
 
     # -- a lost owner's average instead of ours (shard_relay.py) ---------------------------------------------------
@@ -307,7 +307,7 @@ class ShardOwner:
                 decoded, sumsq = await loop.run_in_executor(self.ctx.executor, self._decode_part, payload, hi - lo)
             except CodecError as exc:
                 raise StreamError("malformed", f"a relayed part of {source[:8]}'s does not decode: {exc}") from exc
-            self.ctx.place((lo, hi), decoded)
+            self.ctx.result((lo, hi)).copy_(decoded)
             sums.append(sumsq)
         self.adopt_known(frames, sums, source)
         return True

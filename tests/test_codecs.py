@@ -225,6 +225,27 @@ def test_deterministic_bytes_and_values(name: str, monkeypatch: pytest.MonkeyPat
         assert torch.equal(codec.decode(frame, x.numel()).view(torch.int32), y1.view(torch.int32))
 
 
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_into_a_slice_matches_decode_and_touches_nothing_else(name: str) -> None:
+    """Rounds decode averaged parts straight into their slice of the result (allreduce.py): same bits as decode,
+    the neighbours untouched (sparse zeroes what it does not keep), and a bad frame still refused."""
+    x = torch.randn(5_000, generator=torch.Generator().manual_seed(5))
+    codec = make_codec(name)
+    frame = codec.encode(x)
+    result = torch.full((7_000,), 7.0)
+    got = codec.decode_into(frame, result[1_000:6_000])
+    assert got.data_ptr() == result[1_000:].data_ptr()
+    assert torch.equal(result[1_000:6_000].view(torch.int32), codec.decode(frame, 5_000).view(torch.int32))
+    assert bool((result[:1_000] == 7.0).all()) and bool((result[6_000:] == 7.0).all())
+    with pytest.raises(CodecError):
+        codec.decode_into(frame, result[:4_999])  # the wrong size
+    bad = bytearray(frame)
+    bad[HEADER_SIZE] ^= 1
+    with pytest.raises(CodecError):
+        codec.decode_into(bytes(bad), result[1_000:6_000])
+    assert codec.decode_into(codec.encode(torch.empty(0)), result[:0]).numel() == 0
+
+
 def test_decoded_tensor_is_independent_of_the_frame() -> None:
     frame = bytearray(make_codec("fp32", zstd=False).encode(torch.arange(8.0)))
     y = make_codec("fp32").decode(frame, 8)

@@ -25,8 +25,8 @@ def _owner(n: int, weights: list[float] | None = None) -> tuple[ShardOwner, torc
     result = torch.zeros(8)
     left: list[str] = []
 
-    def place(bounds: tuple[int, int], values: torch.Tensor) -> None:
-        result[bounds[0] : bounds[1]] = values
+    def place(bounds: tuple[int, int]) -> torch.Tensor:
+        return result[bounds[0] : bounds[1]]
 
     ctx = RoundContext(
         pb.Group(round_id=b"r" * 32), ids, 0, ident, b"run", make_codec("fp32"), ThreadPoolExecutor(1), 1 << 20,

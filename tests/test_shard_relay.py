@@ -109,8 +109,8 @@ def _fallback(n: int = 3, waits_for: set[int] | None = None) -> tuple[ShardOwner
     ids = [ident.peer_id] + [f"{i:064x}" for i in range(1, n)]
     result = torch.zeros(8)
 
-    def place(bounds: tuple[int, int], values: torch.Tensor) -> None:
-        result[bounds[0] : bounds[1]] = values
+    def place(bounds: tuple[int, int]) -> torch.Tensor:
+        return result[bounds[0] : bounds[1]]
 
     ctx = RoundContext(
         pb.Group(round_id=ROUND), ids, 0, ident, RUN, CODEC, ThreadPoolExecutor(1), 1 << 20, None, None, place,

@@ -158,6 +158,28 @@ class Codec(ABC):
         A ``bytearray`` argument is taken over: an fp32 result may share its memory rather than copy it.
         """
         numel = check_numel(expected_numel)
+        target = torch.device(device)
+        body = self._open_body(data, numel, target)
+        if body is None:
+            return torch.empty(0, dtype=torch.float32, device=target)
+        return self._decode_body(body, numel)
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: Tensor) -> Tensor:
+        """Decode one frame of ``out.numel()`` values into ``out`` (a contiguous float32 slice of the caller's
+        result) and return it. Checked as ``decode`` is; after a CodecError ``out`` may hold part of the frame. A
+        codec that scatters (sparse) writes there directly: a fresh dense tensor the caller then copied cost a
+        sparse round as much as its decoding."""
+        numel = check_numel(out.numel())
+        body = self._open_body(data, numel, out.device)
+        if body is not None:
+            self._decode_body_into(body, numel, out)
+        return out
+
+    def _decode_body_into(self, raw: Tensor, numel: int, out: Tensor) -> None:
+        out.copy_(self._decode_body(raw, numel))
+
+    def _open_body(self, data: bytes | bytearray | memoryview, numel: int, target: torch.device) -> Tensor | None:
+        """The frame's checked raw body on ``target`` (None for an empty frame)."""
         scales_len, payload_len = self.body_layout(numel)
         header, stored = open_frame(
             data,
@@ -167,9 +189,8 @@ class Codec(ABC):
             scales_len=scales_len,
             payload_len=payload_len,
         )
-        target = torch.device(device)
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32, device=target)
+            return None
         # A private writable copy (or the bounded decompression output) backs the tensor: frames arrive as
         # read-only bytes, which torch can only wrap with a warning, and fp32 returns this memory as-is. The
         # copy goes to memory advised for huge pages: faulting in fresh 4 KiB pages costs more than copying.
@@ -187,9 +208,7 @@ class Codec(ABC):
                 decompress_into(stored, host_byte_view(body))
             else:
                 host_byte_view(body)[:] = stored
-        if target.type != "cpu":
-            body = body.to(target)
-        return self._decode_body(body, numel)
+        return body.to(target) if target.type != "cpu" else body
 
     def max_encoded_size(self, numel: int) -> int:
         """Upper bound of ``len(encode(x))`` for ``x.numel() == numel`` (compression never grows a frame)."""

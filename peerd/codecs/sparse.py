@@ -163,6 +163,12 @@ class SparseCodec(Codec):
 
     # -- decoding ------------------------------------------------------------------------------------------------
     def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
+        out = torch.zeros(numel, dtype=torch.float32, device=raw.device)
+        self._decode_body_into(raw, numel, out)
+        return out
+
+    def _decode_body_into(self, raw: Tensor, numel: int, out: Tensor) -> None:
+        """Check the whole body first, then zero ``out`` and scatter the kept values into it."""
         full, tail, blocks, n = self._shape(numel)
         block, k = self._block, self.k
         scales_len = 2 * blocks
@@ -193,9 +199,8 @@ class SparseCodec(Codec):
         level = ((codes & (self.levels - 1)) + 1).to(torch.float32)
         value = level.mul_(per_value)
         value = torch.where((codes >> (self.bits - 1)).bool(), -value, value)
-        out = torch.zeros(numel, dtype=torch.float32, device=raw.device)
-        out.index_put_((start + index,), value)
-        return out
+        out.zero_()
+        out.index_put_((start.add_(index),), value)
 
     def __repr__(self) -> str:
         zstd = f"zstd={self.zstd_level}" if self.zstd else "zstd=off"
