@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.goodput import measure_goodput
 from bench.slowlink import (
     SlowLinkError,
     SlowLinkNet,
     SlowLinkUnavailable,
     available,
-    measure_goodput,
     remove_stale_namespaces,
     tbf_params,
 )
@@ -332,7 +332,7 @@ def test_stale_namespaces_of_dead_owners_are_removed() -> None:
 @needs_netns
 def test_cli_prints_goodput() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench.slowlink", "--hosts", "2", "--rate", "30", "--seconds", "1"],
+        [sys.executable, "-m", "bench.goodput", "--hosts", "2", "--rate", "30", "--seconds", "1"],
         cwd=REPO,
         capture_output=True,
         text=True,
