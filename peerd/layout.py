@@ -14,7 +14,13 @@ averages and returns a shard part by part, so the gather starts after one part h
 of after the whole shard. On tbf-shaped 20 Mbit/s links (bench/wire.py) 128-256 KiB parts came within 5 % of raw TCP
 where 1 MiB parts lost 8-12 % (the last part's round trip is not overlapped); at 100 Mbit/s 128 KiB parts cost more
 in per-part work (signing, executor hops) than they saved."""
-MAX_PART_ELEMS = 1 << 40
+MAX_PART_ELEMS = 1 << 21
+"""Most values in one part, part of the wire protocol since revision 14: a part bounds the CPU work that is not
+overlapped (encoding the first part before anything is sent, the owner's decode, mean and re-encode of the last),
+not only its bytes. Only the sparse codec reaches it: 256 KiB of sparse frame held 4.26M values, so a 10M-value
+vector went in two parts per shard. bench.wire, sparse, 10M values (README, "The wire at the link's limit"): 2 peers
+at 20 Mbit/s went from 0.56-0.60 of raw TCP to 0.77-0.87; 1M-value parts did as well there but lost more at 4 peers
+and 100 Mbit/s, where four daemons' per-part work on two cores sets the pace."""
 MIN_PART_BYTES = 64 << 10
 PART_SECONDS = 0.2
 """A round's part size (Group.part_bytes, picked by its leader): what the slowest member's measured stream moves in
@@ -63,9 +69,11 @@ def part_elems(codec: Codec, limit: int = PART_BYTES) -> int:
     unit = max(codec.block_size, 1)
     if codec.max_encoded_size(unit) >= limit:
         return unit
+    cap = max(MAX_PART_ELEMS // unit, 1)  # whole blocks within MAX_PART_ELEMS
     lo, hi = 1, 2
-    while hi * unit <= MAX_PART_ELEMS and codec.max_encoded_size(hi * unit) <= limit:
+    while hi <= cap and codec.max_encoded_size(hi * unit) <= limit:
         lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
     while hi - lo > 1:  # max_encoded_size(lo * unit) <= limit < max_encoded_size(hi * unit)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if codec.max_encoded_size(mid * unit) <= limit else (lo, mid)

@@ -15,6 +15,7 @@ import torch
 
 from peerd.codecs import make_codec
 from peerd.layout import (
+    MAX_PART_ELEMS,
     MIN_PART_BYTES,
     PART_BYTES,
     checked_part_bytes,
@@ -171,6 +172,17 @@ def test_parts_cut_on_blocks_decode_to_what_the_whole_shard_would(name: str) -> 
     whole = codec.decode(codec.encode(x), x.numel())
     parts = [codec.decode(codec.encode(x[lo:hi]), hi - lo) for lo, hi in part_bounds(0, x.numel(), size)]
     assert torch.equal(whole, torch.cat(parts))
+
+
+def test_a_part_holds_at_most_two_million_values_whatever_its_bytes() -> None:
+    """Revision 14: 256 KiB of sparse frame held 4.26M values, so a shard's first part was encoded whole before
+    anything left and its average re-encoded whole at the end. Parts are now capped in values too; the dense codecs
+    reach their byte limit first and keep their parts."""
+    sparse = make_codec("sparse")
+    assert part_elems(sparse) == MAX_PART_ELEMS == 1 << 21
+    assert sparse.max_encoded_size(part_elems(sparse, MIN_PART_BYTES)) <= MIN_PART_BYTES  # a smaller pick still binds
+    assert 60_000 < part_elems(make_codec("fp32")) < PART_BYTES // 4  # bytes bind first: 256 KiB less the framing
+    assert part_elems(make_codec("int4")) < MAX_PART_ELEMS
 
 
 def test_small_parts_and_empty_shards() -> None:
