@@ -43,7 +43,9 @@ async def _refused_stream(end: bool) -> tuple[bool, list[str]]:
                 async for _ in call:
                     pass
             except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.NOT_FOUND
+                # The refusal, or grpc's own failed write of our first part when the server's abort overtook it
+                # (INTERNAL "Failed execute_batch": seen in CI; allreduce.py handles the same race)
+                assert exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INTERNAL), exc
             finally:
                 if end:
                     end_call(call)
