@@ -88,9 +88,13 @@ REFUSED_REASONS = frozenset({"rejected", "malformed"})
 decode or match the round), as opposed to its waiting for them ("timeout") or relaying another owner's word."""
 
 
+def _reasons(metadata: object) -> set[str]:
+    return {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
+
+
 def refuses(metadata: object, me: str, allowed: set[str]) -> bool:
     """Whether an aborting owner's metadata says its checks refused our own data (ContributionRefused)."""
-    reasons = {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
+    reasons = _reasons(metadata)
     return bool(reasons) and reasons <= REFUSED_REASONS and me in relayed_suspects(metadata, allowed | {me})
 
 
@@ -98,7 +102,7 @@ def refused_stream(metadata: object) -> bool:
     """Whether an owner that ended our contribution stream with INVALID_ARGUMENT refused the data on it (it tags the
     refusal with REASON_KEY): our contribution was refused, not the owner lost. A stream that stalled ("timeout") or
     broke off ("truncated") was our lateness, which the owner forgives by dropping it."""
-    reasons = {value for key, value in metadata or () if key == REASON_KEY}  # type: ignore[attr-defined]
+    reasons = _reasons(metadata)
     return bool(reasons) and not reasons & {"timeout", "truncated"}
 
 

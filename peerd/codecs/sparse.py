@@ -163,7 +163,7 @@ class SparseCodec(Codec):
 
     # -- decoding ------------------------------------------------------------------------------------------------
     def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
-        out = torch.zeros(numel, dtype=torch.float32, device=raw.device)
+        out = torch.empty(numel, dtype=torch.float32, device=raw.device)  # _decode_body_into zeroes it
         self._decode_body_into(raw, numel, out)
         return out
 
