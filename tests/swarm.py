@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,8 +24,14 @@ from tests import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Each test process names its runs apart: tests on other xdist workers (or in another pytest session) run the same
+# spec, and a port one test's dead peer freed, taken by another test's peer, once merged the two swarms (one test's
+# peers then counted the other's as expected members and adopted its states). A run name of its own gives each
+# process's swarms their own run id, which every signed request carries and every peer checks.
+RUN_NAME = f"test-{secrets.token_hex(4)}"
+
 TINY: dict[str, dict[str, Any]] = {
-    "run": {"name": "test", "algorithm": "diloco", "outer_steps": 3},
+    "run": {"name": RUN_NAME, "algorithm": "diloco", "outer_steps": 3},
     "model": {"preset": "tiny", "seq_len": 32},
     "data": {"batch_size": 4, "eval_batches": 2},
     "inner": {"steps": 5, "warmup_steps": 5, "lr": 3e-3},
