@@ -49,6 +49,7 @@ class Gossip:
         self._inflight: dict[str, asyncio.Task] = {}  # peer id -> our gossip call to it still running
         self._long: set[str] = set()  # peers whose running call waits past the usual deadline (`deadline`)
         self.stalled_s = 0.0  # seconds our loop stalled, not counted towards peers' silence (`_forgive_stall`)
+        self._wrong_addresses: set[tuple[str, str]] = set()  # (peer, address) where another process answered
         net = daemon.cfg.network
         self.redialer = Redialer(
             lambda: [
@@ -338,7 +339,7 @@ class Gossip:
         of a peer already counted dead) nothing."""
         assert self.d.channels is not None
         view = self.d.membership.gossip_view(limit=self.d.cfg.network.gossip_entries)
-        req = sign(pb.GossipRequest(peers=view), "Gossip", self.d.identity, self.d.run_id)
+        req = sign(pb.GossipRequest(peers=view, to=peer.peer_id), "Gossip", self.d.identity, self.d.run_id)
         timeout = self.deadline(peer.peer_id)
         if mark != "refused":
             return await self._gossip_call(peer, mark, req, timeout) == "answered"
@@ -383,6 +384,12 @@ class Gossip:
             # silent for as long as the call waited (dropped SYNs). A frozen host keeps its sockets open: its
             # silence reaching peer_timeout finds it. Marking a connected peer silent for half the timeout as well
             # was wrong 4,220 times and right 26 times at 64 peers (a heartbeat is routinely seconds old there).
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # Another process answers at the address (another peer of the run, or another run): the peer we
+                # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.
+                self._wrong_peer(peer, exc)
+                self.d.count_sent("gossip", 0, req.ByteSize())
+                return exc.code().name
             refused = connection_failed(exc)
             if mark == "down":
                 silent = self.d.membership.silent_for(peer.peer_id)
@@ -399,6 +406,18 @@ class Gossip:
         self.merge_gossip(resp.peers)
         self.d.reach.observe(peer, resp.observed_address)
         return "answered"
+
+    def _wrong_peer(self, peer: pb.PeerInfo, exc: grpc.aio.AioRpcError) -> None:
+        """`peer`'s address now serves another process: count `peer` unreachable (a re-dial stays a failure), and say
+        so once per address it announced."""
+        self.d.membership.mark_unreachable(
+            peer.peer_id, why="another process answers at its address", address=peer.address
+        )
+        key = (peer.peer_id, peer.address)
+        if key not in self._wrong_addresses:
+            self._wrong_addresses.add(key)
+            log.info("peer %s's address %s now answers as another process (%s): not counting that as %s answering",
+                     peer.peer_id[:8], peer.address, exc.details(), peer.peer_id[:8])  # fmt: skip
 
     def merge_gossip(self, peers: Any) -> list[str]:
         """Merge gossiped entries; entries not signed by the peer they describe are refused and counted."""

@@ -77,6 +77,11 @@ members' data) makes a named member sit the step out; one named because the owne
 refused and sat the step out)."""
 
 
+WRONG_PEER = "wrong_peer"
+"""REASON_KEY of a Gossip refused because the receiver is not the peer the caller meant (GossipRequest.to): the
+address outlived the peer that announced it."""
+
+
 def suspects_metadata(exc: RoundFailed) -> tuple[tuple[str, str], ...]:
     if not exc.suspects:
         return ()

@@ -27,7 +27,7 @@ from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
-from peerd.roundtypes import REASON_KEY
+from peerd.roundtypes import REASON_KEY, WRONG_PEER
 from peerd.statesync import StateSnapshot, check_ranges, state_messages
 from peerd.streams import StreamError, prepend, verify_header
 from peerd.v1 import peerd_pb2 as pb
@@ -132,6 +132,14 @@ class MembershipService(rpc.MembershipServicer):
 
     async def Gossip(self, request: pb.GossipRequest, context: grpc.aio.ServicerContext) -> pb.GossipResponse:
         await self.checks.verify(request, "Gossip", context)
+        if request.to and request.to != self.membership.self_id:
+            # The caller dialled an address that belonged to another peer (it died; we took its port): merging its
+            # view would make it count that peer alive, and join two swarms that only met through a reused port.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this address now serves peer {self.membership.self_id[:8]}, not {request.to[:8]}",
+                ((REASON_KEY, WRONG_PEER),),
+            )
         if faults.GOSSIP_LATE_S:
             await asyncio.sleep(faults.GOSSIP_LATE_S)
         self.gossip.merge_gossip(request.peers)

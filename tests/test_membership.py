@@ -347,6 +347,32 @@ def test_a_peer_killed_and_restarted_at_once_is_detected_by_every_other(tmp_path
         swarm.wait_until(lambda: all(pid in x.status().alive for x in p[:2]), 30, "the new process live")
 
 
+def test_a_dead_peer_s_port_taken_by_another_process_does_not_bring_it_back(tmp_path: Path) -> None:
+    """kill -9 a peer, then start an unrelated peer of the same run (a swarm of its own: no bootstrap) on the port it
+    freed: an address reused on the internet, or, on loopback, another test's peer (a CI run merged two tests' swarms
+    that way, and each then counted the other's peers as expected members). The survivor's re-dials reach a process
+    that is not the peer they mean: it refuses them (GossipRequest.to) before merging anything, so the survivor never
+    counts the dead peer as answering again, and never learns the other swarm."""
+    cfg = tiny_config(tmp_path, run__outer_steps=0, network__redial_max=1.0)
+    with Swarm(tmp_path, 2, cfg) as swarm:
+        a, b = swarm.peers
+        swarm.wait_until(lambda: len(a.status().alive) == 2, 60, "a full view")
+        b_id, addr = b.status().peer_id, b.address
+        b.kill()
+        swarm.wait_until(lambda: b_id not in a.status().alive, 15, "the kill detected")
+        c = swarm.spawn(2, None, extra=["--listen", addr])
+        swarm.peers.append(c)
+        assert c.address == addr
+        c_id = c.status().peer_id
+        redialled = ("now answers as another process", f"peer {b_id[:8]} at {addr} answers again")
+        swarm.wait_until(lambda: any(line in a.log() for line in redialled), 30, "a re-dial of the old address")
+        time.sleep(2.0)  # a few more re-dials and gossip ticks
+        st = a.status()
+        assert b_id not in st.alive and c_id not in {e.peer_id for e in st.peers}, a.log_tail()
+        assert redialled[1] not in a.log(), a.log_tail()
+        assert a.status().peer_id not in {e.peer_id for e in c.status().peers}, c.log_tail()
+
+
 @pytest.mark.slow
 def test_bounded_gossip_keeps_every_peer_alive_and_finds_a_silent_one_within_twice_the_timeout(
     tmp_path: Path,

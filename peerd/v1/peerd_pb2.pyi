@@ -138,12 +138,14 @@ class JoinResponse(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., observed_address: _Optional[str] = ...) -> None: ...
 
 class GossipRequest(_message.Message):
-    __slots__ = ("auth", "peers")
+    __slots__ = ("auth", "peers", "to")
     AUTH_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
     auth: Auth
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
-    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+    to: str
+    def __init__(self, auth: _Optional[_Union[Auth, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., to: _Optional[str] = ...) -> None: ...
 
 class GossipResponse(_message.Message):
     __slots__ = ("peers", "observed_address")
