@@ -1,7 +1,8 @@
 """Convergence benchmark: the same token budget under each outer algorithm, on real swarms of `peerd start` processes.
 
     python -m bench.convergence [--algorithms ddp,diloco,noloco] [--peers 4] [--budget-tokens N] [--codec fp32]
-                                [--scaling 2,4,8] [--send-ahead-mbit 20] [--repeats 1] [--parts ...] [--json]
+                                [--scaling 2,4,8] [--send-ahead-mbit 20] [--repeats 1] [--first-seed 0] [--parts ...]
+                                [--json]
 
 Three parts, each made of swarms of N peers on 127.0.0.1 (one process each, ``--threads 1``), training the built-in
 byte-level GPT on the default data (the Python standard library's sources, held-out tail for evaluation):
@@ -340,6 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1, help="repeat the convergence runs with other seeds (medians)")
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first-seed .. + repeats - 1 (fresh seeds check a setting)"
+    )
     p.add_argument("--scaling", default="2,4,8", help="peer counts for the scaling part ('' to skip)")
     p.add_argument("--scaling-outer-steps", type=int, default=5)
     p.add_argument("--send-ahead-mbit", type=float, default=20.0, help="upload rate for the send-ahead part (0: skip)")
@@ -389,7 +393,7 @@ def _convergence(args: argparse.Namespace, algorithms: list[str], root: Path) ->
         flush=True,
     )
     runs: dict[str, list[RunResult]] = {a: [] for a in algorithms}
-    for rep in range(args.repeats):
+    for rep in range(args.first_seed, args.first_seed + args.repeats):
         for a in algorithms:
             spec = _base(args, a, args.peers, steps, rep, f"{a}-{args.peers}p-r{rep}")
             runs[a].append(_run(args, spec, root))

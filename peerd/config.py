@@ -38,7 +38,7 @@ SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positi
 # pseudo-gradient, which a large outer lr amplifies), so its recipe merges fully (alpha 0) and measured best at lr 8.
 SPARSE_RECIPE: dict[str, dict[str, Any]] = {
     "codec": {"error_feedback": True, "feedback_decay": 0.8, "feedback_against": "average"},
-    "outer": {"momentum": 0.0, "lr": 6.0},
+    "outer": {"momentum": 0.0, "lr": 5.0},
 }
 SPARSE_STREAMING_RECIPE: dict[str, dict[str, Any]] = {
     "codec": dict(SPARSE_RECIPE["codec"]),

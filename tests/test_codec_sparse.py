@@ -227,7 +227,7 @@ def test_error_feedback_parameters_are_checked() -> None:
     assert tuned["codec"]["feedback_decay"] == 0.8 and tuned["codec"]["feedback_against"] == "average"
     # `--codec sparse` adds the SparseLoCo recipe; Streaming's merges fully (it diverged with alpha 0.5 at lr 3).
     diloco = sparse_recipe("diloco")
-    assert diloco["outer"] == {"momentum": 0.0, "lr": 6.0} and "streaming" not in diloco
+    assert diloco["outer"] == {"momentum": 0.0, "lr": 5.0} and "streaming" not in diloco
     assert sparse_recipe("streaming")["streaming"] == {"alpha": 0.0}
     assert sparse_recipe("streaming")["codec"] == sparse_recipe("diloco")["codec"]
     for algorithm in ("diloco", "streaming"):
