@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import math
+import secrets
 import shutil
 import subprocess
 import sys
@@ -31,10 +33,16 @@ DEMO_NETWORK = {
 }
 
 
-def demo_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The run spec the demo peers share: tiny model, short timeouts, the chosen algorithm and codec."""
+def demo_config(args: argparse.Namespace, tag: str = "") -> dict[str, Any]:
+    """The run spec the demo peers share: tiny model, short timeouts, the chosen algorithm and codec. `tag` makes the
+    demo a run of its own (its own run id): two demos on one host, whose peers take ports the other's finished peers
+    freed, must never meet (a re-dialled bootstrap address would join the other)."""
     raw: dict[str, Any] = {
-        "run": {"name": "peerd-demo", "algorithm": args.algorithm, "outer_steps": args.outer_steps},
+        "run": {
+            "name": f"peerd-demo-{tag}" if tag else "peerd-demo",
+            "algorithm": args.algorithm,
+            "outer_steps": args.outer_steps,
+        },
         "model": {"preset": args.preset},
         "inner": {"steps": args.inner_steps, "warmup_steps": min(20, args.inner_steps)},
         "codec": {"name": args.codec},
@@ -125,13 +133,21 @@ def max_param_diff(dirs: list[Path]) -> tuple[float, float]:
     return diff, spread
 
 
+def demo_tag(workdir: str | None) -> str:
+    """The demo's run tag: a --workdir names the same run each time (a rerun there resumes its checkpoints), and any
+    other demo is a run of its own."""
+    if workdir:
+        return hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:8]
+    return secrets.token_hex(4)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo swarm. A temporary work dir is removed at the end unless --keep (or --workdir) is given."""
     if args.peers < 1:
         from peerd.errors import UserError
 
         raise UserError(f"--peers {args.peers}: need at least 1 peer")
-    raw = demo_config(args)
+    raw = demo_config(args, demo_tag(args.workdir))
     init_from = getattr(args, "init_from", None)
     if init_from and not Path(init_from).is_file():
         from peerd.errors import UserError

@@ -73,6 +73,22 @@ def test_status_and_init_do_not_import_torch(tmp_path: Path) -> None:
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
 
 
+def test_each_demo_is_a_run_of_its_own_and_a_workdir_names_the_same_one(tmp_path: Path) -> None:
+    """Two demos on one host shared one run id ("peerd-demo"): a demo whose bootstrap peer finished re-dials its
+    address, and a peer of another demo that took the freed port would have let it join that other swarm. A demo's
+    run name carries a tag of its own; a --workdir keeps one, so a rerun there resumes its checkpoints."""
+    import argparse
+
+    from peerd.demo import demo_config, demo_tag
+
+    args = argparse.Namespace(algorithm="diloco", outer_steps=2, preset="tiny", inner_steps=5, codec="fp32", set=[])
+    ids = {RunConfig.from_dict(demo_config(args, demo_tag(None))).run_id() for _ in range(3)}
+    assert len(ids) == 3
+    kept = [RunConfig.from_dict(demo_config(args, demo_tag(str(tmp_path / "w")))).run_id() for _ in range(2)]
+    assert kept[0] == kept[1] and kept[0] not in ids
+    assert demo_tag(str(tmp_path / "w")) != demo_tag(str(tmp_path / "v"))
+
+
 @pytest.mark.slow
 def test_demo_json_summary(tmp_path: Path) -> None:
     """Also: the demo's temporary directory is gone afterwards, and no progress line shows a 'nan' loss."""
