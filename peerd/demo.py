@@ -33,13 +33,13 @@ DEMO_NETWORK = {
 }
 
 
-def demo_config(args: argparse.Namespace, tag: str = "") -> dict[str, Any]:
+def demo_config(args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """The run spec the demo peers share: tiny model, short timeouts, the chosen algorithm and codec. `tag` makes the
     demo a run of its own (its own run id): two demos on one host, whose peers take ports the other's finished peers
     freed, must never meet (a re-dialled bootstrap address would join the other)."""
     raw: dict[str, Any] = {
         "run": {
-            "name": f"peerd-demo-{tag}" if tag else "peerd-demo",
+            "name": f"peerd-demo-{tag}",
             "algorithm": args.algorithm,
             "outer_steps": args.outer_steps,
         },

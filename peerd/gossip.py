@@ -384,12 +384,6 @@ class Gossip:
             # silent for as long as the call waited (dropped SYNs). A frozen host keeps its sockets open: its
             # silence reaching peer_timeout finds it. Marking a connected peer silent for half the timeout as well
             # was wrong 4,220 times and right 26 times at 64 peers (a heartbeat is routinely seconds old there).
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                # Another process answers at the address (another peer of the run, or another run): the peer we
-                # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.
-                self._wrong_peer(peer, exc)
-                self.d.count_sent("gossip", 0, req.ByteSize())
-                return exc.code().name
             refused = connection_failed(exc)
             if mark == "down":
                 silent = self.d.membership.silent_for(peer.peer_id)
@@ -399,6 +393,10 @@ class Gossip:
             if exc.code() in UNREACHABLE and down:
                 kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
                 self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}")
+            elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # Another process answers at the address (another peer of the run, or another run): the peer we
+                # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.
+                self._wrong_peer(peer, exc)
             self.d.count_sent("gossip", 0, req.ByteSize())
             return exc.code().name
         self.d.count_sent("gossip", 0, req.ByteSize())
