@@ -167,7 +167,8 @@ class DiLoCo(OuterAlgorithm):
         # Slow-link peers' work that reached us: it rides in our contribution, each part at its own weight
         taken = self.sponsoring.take(step, norm)
         pseudo, tokens = combine(pseudo, tokens, taken)
-        args = {"want_decoded": self.feedback is not None, "tokens": tokens, "carries": [w.peer_id for w in taken]}
+        want_decoded = self.feedback is not None and self.feedback.needs_decoded
+        args = {"want_decoded": want_decoded, "tokens": tokens, "carries": [w.peer_id for w in taken]}
         if self.overlap and not 0 < trainer.cfg.run.outer_steps <= step + 1:
             future = trainer.swarm.allreduce_async(step, pseudo, **args)
             # where the next window trains from: the outer step if the round's average were our own pseudo-gradient

@@ -258,7 +258,11 @@ class StreamingDiLoCo(OuterAlgorithm):
             tokens = self.steps_since.get(p, 0) * trainer.tokens_per_step
             self.steps_since[p] = 0
             future = trainer.swarm.allreduce_async(
-                step, pseudo, fragment=p, want_decoded=self.feedback is not None, tokens=tokens
+                step,
+                pseudo,
+                fragment=p,
+                want_decoded=self.feedback is not None and self.feedback.needs_decoded,
+                tokens=tokens,
             )
             future.add_done_callback(lambda f, step=step: self._note_members(trainer.swarm, step, f))
 

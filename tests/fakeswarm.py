@@ -72,6 +72,7 @@ class FakeSwarm:
     calls: list[tuple[int, int]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the work each contribution claimed, round by round
     vectors: list[torch.Tensor] = field(default_factory=list)  # what we contributed, round by round
+    wanted_decoded: list[bool] = field(default_factory=list)  # whether each round was asked for our decoded copy
     recorded: list[pb.Group] = field(default_factory=list)
     noted: list[tuple[int, list[str]]] = field(default_factory=list)
     skipped: list[tuple[int, list[int]]] = field(default_factory=list)  # rounds we told the leader we skip
@@ -93,6 +94,7 @@ class FakeSwarm:
         self.calls.append((step, fragment))
         self.tokens.append(tokens)
         self.vectors.append(vector.detach().clone())
+        self.wanted_decoded.append(want_decoded)
         if (step, fragment) in self.fail:
             self.fail.discard((step, fragment))
             raise RoundFailed("injected", set(), "timeout")

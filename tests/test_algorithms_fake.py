@@ -478,6 +478,33 @@ def test_streaming_error_feedback_carries_what_the_codec_dropped(tmp_path: Path)
     assert torch.equal(swarm.vectors[2], seen[-1][1] + residual)
 
 
+@pytest.mark.parametrize("algorithm", ["diloco", "streaming"])
+@pytest.mark.parametrize("against", ["contribution", "average"])
+def test_error_feedback_asks_for_the_decoded_contribution_only_when_it_keeps_against_it(
+    tmp_path: Path, algorithm: str, against: str
+) -> None:
+    """Kept against the applied average (the sparse recipe), the residual never reads our decoded contribution, so
+    the round must not decode every part of it again for nothing (a vector-sized buffer and a decode per part)."""
+    from peerd.codecs import make_codec
+
+    codec = make_codec("sparse", density=0.25, bits=2, block_size=4)
+    swarm = FakeSwarm(codec=codec, others=lambda step, fragment, v: [torch.zeros_like(v)])
+    sections: dict[str, dict] = {"streaming": {"fragments": 2, "tau": 1}} if algorithm == "streaming" else {}
+    codec_keys = {"name": "sparse", "density": 0.25, "bits": 2, "block_size": 4, "error_feedback": True}
+    trainer = setup(
+        tmp_path, algorithm, swarm, codec={**codec_keys, "feedback_against": against}, inner={"steps": 4}, **sections
+    )
+    for _ in range(4):
+        trainer.inner_step()
+    assert swarm.wanted_decoded and swarm.wanted_decoded == [against == "contribution"] * len(swarm.vectors)
+    key = "params" if algorithm == "diloco" else "fragment1"
+    residual = trainer.algorithm.feedback.state_dict()[key]
+    sent = swarm.vectors[0]
+    decoded = codec.decode(codec.encode(sent), sent.numel())
+    kept = decoded / 2 if against == "average" else decoded  # the applied average: ours and a zero contribution
+    assert torch.allclose(residual, sent - kept)
+
+
 def test_diloco_drops_work_that_no_round_took_for_three_windows(tmp_path: Path) -> None:
     """Rounds that keep failing (or answering "behind" when nobody holds a better state) must not let pending work
     grow without bound (diloco.MAX_PENDING_WINDOWS): four windows long, it would weigh past the owners' claim cap."""

@@ -37,6 +37,13 @@ class ErrorFeedback:
         self.against = against
         self._residual: dict[str, Tensor] = {}
 
+    @property
+    def needs_decoded(self) -> bool:
+        """Whether a round must hand back what our contribution decoded to. Kept against the average, it need not:
+        decoding every part of our own contribution again would cost a round CPU and a vector-sized buffer for a
+        copy that ``settle`` never reads."""
+        return self.against == "contribution"
+
     def __len__(self) -> int:
         return len(self._residual)
 
