@@ -4,7 +4,8 @@
 
 Each peer is a separate OS process running a real `Daemon` (gRPC on 127.0.0.1) that averages a random vector of
 --params fp32 values; no training, so the figure is the round itself. Prints the median seconds per round and the
-effective rate: model bytes (4 x params) averaged per second, and each peer's wire throughput (sent + received).
+effective rate: model bytes (4 x params) averaged per second, each peer's wire throughput (sent + received), and
+the CPU seconds each peer's process spent per round (all its threads; steadier than wall time on a shared host).
 hivemind's averager needs 0.3-0.5 s for 10M fp32 parameters between 2 peers on this kind of 2-core machine.
 """
 
@@ -50,14 +51,15 @@ def worker(args: argparse.Namespace) -> None:
     daemon.wait_for_peers(args.n, threading.Event())
     gen = torch.Generator().manual_seed(args.index)
     vector = torch.randn(args.params, generator=gen)
-    times, stats = [], []
+    times, stats, cpu = [], [], []
     for step in range(args.rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = daemon.allreduce(step, vector)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)  # every thread of the process: steadier than wall time on a busy host
         stats.append((result.stats.wire_bytes, result.stats.received_wire_bytes, len(result.included)))
         daemon.publish(StateSnapshot(step + 1, {}))
-    Path(args.out).write_text(json.dumps({"times": times, "stats": stats}))
+    Path(args.out).write_text(json.dumps({"times": times, "stats": stats, "cpu": cpu}))
     time.sleep(1.0)  # let the others fetch their last shards from us before we leave
     daemon.stop()
 
@@ -123,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         f"loopback, median of {args.rounds - 1} rounds after one warm-up; malloc: tuned as `peerd start` does "
         "(peerd/allocator.py) or glibc's defaults"
     )
-    print(f"{'peers':>5} {'malloc':>7} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13}")
+    print(
+        f"{'peers':>5} {'malloc':>7} {'s/round':>9} {'model GB/s':>11} {'peer wire GB/s':>15} {'sent MB/peer':>13} "
+        f"{'CPU s/round/peer':>17}"
+    )
     for n in [int(x) for x in args.peers.split(",")]:
         for tuned in variants:
             with tempfile.TemporaryDirectory(prefix="peerd-bench-round-") as tmp:
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["stats"][k][0] + r["stats"][k][1] for r in results for k in range(1, args.rounds)
             )
             sent = statistics.median(r["stats"][k][0] for r in results for k in range(1, args.rounds))
+            # CPU seconds a peer's process spent per round (all its threads, round start to return), median
+            cpu = statistics.median(r["cpu"][k] for r in results for k in range(1, args.rounds))
             row = {
                 "peers": n,
                 "malloc_tuned": tuned,
@@ -143,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                 "model_gb_per_s": 4 * args.params / med / 1e9,
                 "peer_wire_gb_per_s": wire / med / 1e9,
                 "sent_mb_per_peer": sent / 1e6,
+                "cpu_seconds_per_round_per_peer": cpu,
             }
             rows.append(row)
             print(
                 f"{n:>5} {'tuned' if tuned else 'default':>7} {med:>9.3f} {row['model_gb_per_s']:>11.3f} "
-                f"{row['peer_wire_gb_per_s']:>15.3f} {row['sent_mb_per_peer']:>13.1f}",
+                f"{row['peer_wire_gb_per_s']:>15.3f} {row['sent_mb_per_peer']:>13.1f} {cpu:>17.3f}",
                 flush=True,
             )
         if len(variants) == 2:

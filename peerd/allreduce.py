@@ -387,7 +387,12 @@ class ReduceRound(Takeover):
                 if owner.reduced.done():
                     break
                 owner.accept(self.member, k, own, sumsq, private=False)
-            else:
+            elif not self._poisoning:
+                own, sumsq, private = await loop.run_in_executor(self.executor, self._own_part, j, k)
+                if owner.reduced.done():
+                    break
+                owner.accept(self.member, k, own, sumsq, private)
+            else:  # an injected poisoner's forged frame goes through the owner's checks like anyone's
                 payload = await loop.run_in_executor(self.executor, self._encode_part, j, k, True)
                 await owner.add_contribution(self.identity.peer_id, k, bytes(payload))
         await asyncio.shield(owner.reduced)
@@ -409,6 +414,15 @@ class ReduceRound(Takeover):
         assert self.average is not None
         return self.average[bounds[0] : bounds[1]]
 
+    def _own_part(self, j: int, k: int) -> tuple[torch.Tensor, float, bool]:
+        """Part k of our contribution to a shard we reduce, with a lossy codec: what its frame decodes to (the
+        others average what ours would have decoded to), taken from encoding rather than by decoding the frame."""
+        lo, hi = self.parts[j][k]
+        private = self._decoded is None
+        out = torch.empty(hi - lo) if private else self._decoded[lo:hi]  # type: ignore[index]
+        self.codec.encode_frame_into(self.vector[lo:hi].contiguous(), out)
+        return out, sum_of_squares(out), private
+
     def _encode_part(self, j: int, k: int, ours: bool = False) -> bytes | SealedFrame:
         """Our contribution's part k of shard j as a frame (in the executor, one part ahead of the stream)."""
         lo, hi = self.parts[j][k]
@@ -419,9 +433,10 @@ class ReduceRound(Takeover):
                 bad = x  # a NaN frame would not decode for us either
             frame: bytes | SealedFrame = faults.forge_frame(self.codec, bad.contiguous())
         else:
-            frame = self.codec.encode_frame(x.contiguous())
             if self._decoded is not None:  # for error feedback
-                self.codec.decode_into(bytes(frame), self._decoded[lo:hi])
+                frame = self.codec.encode_frame_into(x.contiguous(), self._decoded[lo:hi])
+            else:
+                frame = self.codec.encode_frame(x.contiguous())
         return frame if ours else faults.corrupt(frame, k)
 
     async def _send_parts(self, j: int, owner: str) -> AsyncIterator[pb.TensorMessage]:

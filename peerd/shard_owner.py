@@ -268,9 +268,9 @@ class ShardOwner:
             self.reduced.set_result(None)
 
     def _reduce(self, k: int, idx: list[int], norms: list[float] | None) -> tuple[SealedFrame, float, bytes]:
-        """Average part k in fp32 in member order over the contributions `idx`, encode once, and decode our own
-        bytes so we match every other member (a lossless codec's bytes decode to the average itself). With a guard,
-        the run's aggregation rule (the clipped mean gets the whole contributions' norms)."""
+        """Average part k in fp32 in member order over the contributions `idx`, encode once, and keep what those
+        bytes decode to, so we match every other member (a lossless codec's bytes decode to the average itself).
+        With a guard, the run's aggregation rule (the clipped mean gets the whole contributions' norms)."""
         ctx = self.ctx
         contribs = [self.contrib[k][i] for i in idx]
         private = [self.private[k][i] for i in idx]
@@ -283,9 +283,11 @@ class ShardOwner:
             # members scaled their vectors by w_i = tokens_i / mean(tokens) over the whole group, so the mean of a
             # subset is off by mean(w) over that subset: divide it out, keeping the token-weighted mean
             acc.mul_(len(idx) / sum(ctx.weights[i] for i in idx))
-        encoded = ctx.codec.encode_frame(acc)
         out = ctx.result(self.parts[k])
-        own = out.copy_(acc) if ctx.codec.lossless else ctx.codec.decode_into(bytes(encoded), out)
+        if ctx.codec.lossless:
+            encoded, own = ctx.codec.encode_frame(acc), out.copy_(acc)
+        else:
+            encoded, own = ctx.codec.encode_frame_into(acc, out), out
         return encoded, sum_of_squares(own), included_mask(self.n, idx)
 
     # -- a lost owner's average instead of ours (shard_relay.py) ---------------------------------------------------

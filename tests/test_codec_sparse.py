@@ -127,6 +127,27 @@ def test_all_zero_and_tiny_inputs() -> None:
     assert codec.decode(codec.encode(torch.empty(0)), 0).numel() == 0
 
 
+@pytest.mark.parametrize("bits", BITS_CHOICES)
+@pytest.mark.parametrize(("block", "density"), [(256, 0.04), (4, 0.25), (300, 0.02), (7, 1.0)])
+def test_encode_frame_into_writes_exactly_what_its_frame_decodes_to(bits: int, block: int, density: float) -> None:
+    """An owner keeps its own average from the encoder instead of decoding its frame again: every member decodes
+    that frame, so the two must agree to the bit (one model, max param diff 0)."""
+    codec = sparse(bits=bits, block_size=block, density=density)
+    for n, seed in [(1, 0), (block - 1, 1), (block, 2), (10 * block + 3, 3), (100_003, 4)]:
+        x = sample(n, seed) * torch.linspace(1e-3, 30.0, n)
+        x[:: max(1, n // 7)] = 0.0  # zeros, ties among the dropped
+        out = torch.full((n,), float("nan"))
+        frame = codec.encode_frame_into(x, out)
+        assert bytes(frame) == codec.encode(x)  # the same bytes as without the copy
+        assert torch.equal(out, codec.decode(bytes(frame), n))
+    zeros = torch.full((0,), 1.0)
+    assert bytes(codec.encode_frame_into(torch.empty(0), zeros)) == codec.encode(torch.empty(0))
+    with pytest.raises(ValueError, match="contiguous float32 tensor of 5 values"):
+        codec.encode_frame_into(sample(5), torch.empty(4))
+    with pytest.raises(CodecError):
+        codec.encode_frame_into(torch.tensor([1.0, float("nan")]), torch.empty(2))
+
+
 def test_same_bytes_every_time_and_for_every_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     x = sample(300_000) * torch.linspace(0.01, 10, 300_000)
     frame = sparse().encode(x)

@@ -246,6 +246,19 @@ def test_decode_into_a_slice_matches_decode_and_touches_nothing_else(name: str) 
     assert codec.decode_into(codec.encode(torch.empty(0)), result[:0]).numel() == 0
 
 
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_encode_frame_into_a_slice_gives_the_frame_and_its_decoded_bits(name: str) -> None:
+    """Rounds take their own parts' decoded copy from encoding (an owner's average, its own contribution): the same
+    frame as encode_frame, the same bits as decoding it, written only into its slice."""
+    x = torch.randn(5_000, generator=torch.Generator().manual_seed(6)) * torch.linspace(0.01, 50.0, 5_000)
+    codec = make_codec(name)
+    result = torch.full((7_000,), 7.0)
+    frame = bytes(codec.encode_frame_into(x, result[1_000:6_000]))
+    assert frame == codec.encode(x)
+    assert torch.equal(result[1_000:6_000].view(torch.int32), codec.decode(frame, 5_000).view(torch.int32))
+    assert bool((result[:1_000] == 7.0).all()) and bool((result[6_000:] == 7.0).all())
+
+
 def test_decoded_tensor_is_independent_of_the_frame() -> None:
     frame = bytearray(make_codec("fp32", zstd=False).encode(torch.arange(8.0)))
     y = make_codec("fp32").decode(frame, 8)

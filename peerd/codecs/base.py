@@ -90,6 +90,8 @@ class Codec(ABC):
     """True when ``decode(encode(x))`` is bit-identical to ``x``: a round may then use ``x`` itself."""
     plane_width: int = 0
     """Bytes per value of a scale-free body that zstd gets as byte planes (peerd/codecs/byteplanes.py); 0: as is."""
+    decodes_while_encoding: bool = False
+    """True when ``_encode_body_into`` knows the decoded values while encoding (see ``encode_frame_into``)."""
 
     def __init__(self, *, zstd_level: int = DEFAULT_LEVEL, zstd: bool = True) -> None:
         self.zstd_level = check_level(zstd_level)
@@ -108,6 +110,11 @@ class Codec(ABC):
     def _encode_body(self, x: Tensor) -> Tensor:
         """Raw body of a checked, non-empty ``x`` as a contiguous uint8 CPU tensor of exactly the layout size."""
 
+    def _encode_body_into(self, x: Tensor, out: Tensor) -> Tensor:
+        """``_encode_body``, also writing what the body decodes to into ``out``; only where
+        ``decodes_while_encoding``."""
+        raise NotImplementedError
+
     @abstractmethod
     def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
         """Float32 tensor of ``numel`` values from a raw body (uint8, already on the target device)."""
@@ -122,10 +129,28 @@ class Codec(ABC):
     def encode_frame(self, x: Tensor) -> SealedFrame:
         """`encode` without the final join: the frame's parts, the body possibly sharing ``x``'s memory (fp32 on the
         CPU), so ``x`` must not change until the frame is sent."""
+        return self._frame(check_input(x), None)
+
+    def encode_frame_into(self, x: Tensor, out: Tensor) -> SealedFrame:
+        """`encode_frame`, with what the frame decodes to written into ``out`` (bit-identical to `decode_into` of
+        it). A round needs both for its own parts (an owner's average, its contribution to its own shard): a codec
+        that knows its decoded values while encoding (sparse) skips decompressing and re-checking its own frame."""
         x = check_input(x)
+        if out.numel() != x.numel() or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 tensor of {x.numel()} values")
+        if not self.decodes_while_encoding or out.device != x.device:
+            frame = self._frame(x, None)
+            self.decode_into(bytes(frame), out)
+            return frame
+        return self._frame(x, out)
+
+    def _frame(self, x: Tensor, out: Tensor | None) -> SealedFrame:
         numel = x.numel()
         scales_len, payload_len = self.body_layout(numel)
-        body = self._encode_body(x) if numel else torch.empty(0, dtype=torch.uint8)
+        if not numel:
+            body = torch.empty(0, dtype=torch.uint8)
+        else:
+            body = self._encode_body(x) if out is None else self._encode_body_into(x, out)
         if body.numel() != scales_len + payload_len:  # pragma: no cover - guards subclass bugs
             raise AssertionError(f"{self.name} body is {body.numel()} bytes, layout says {scales_len + payload_len}")
         raw = host_byte_view(body) if body.numel() else memoryview(b"")

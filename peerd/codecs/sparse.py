@@ -99,7 +99,15 @@ class SparseCodec(Codec):
         return 2 * blocks, n * self.index_bytes + -(-n * self.bits // 8)
 
     # -- encoding ------------------------------------------------------------------------------------------------
+    decodes_while_encoding = True
+
     def _encode_body(self, x: Tensor) -> Tensor:
+        return self._encode(x, None)
+
+    def _encode_body_into(self, x: Tensor, out: Tensor) -> Tensor:
+        return self._encode(x, out)
+
+    def _encode(self, x: Tensor, out: Tensor | None) -> Tensor:
         full, tail, blocks, n = self._shape(x.numel())
         block, k = self._block, self.k
         scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
@@ -123,6 +131,8 @@ class SparseCodec(Codec):
         scales = half.float()
         per_value = torch.cat([scales[:full].repeat_interleave(k), scales[full:].expand(n - full * k)])
         codes = self._codes(values, per_value)
+        if out is not None:  # what the frame decodes to, through the same dequantization decoding runs
+            self._place(scales, index, codes, full, out)
         gaps = _gaps(index, full, k)
         index_t = gaps.to(torch.uint8) if self.index_bytes == 1 else gaps.to(torch.int16).view(torch.uint8)
         return torch.cat([half.view(torch.uint8), index_t, _pack(codes, self.bits)]).cpu()
@@ -184,16 +194,23 @@ class SparseCodec(Codec):
         if codes is None:
             raise CodecError("sparse frame has non-zero padding bits after its last code")
         index = _positions(gaps, full, k)
-        start = torch.cat(
-            [
-                torch.arange(full, device=raw.device).mul_(block).repeat_interleave(k),
-                torch.full((n - full * k,), full * block, dtype=torch.int64, device=raw.device),
-            ]
-        )
         # Positions only grow within a block, so its last one is its largest: one check per block.
         last = index[k - 1 : full * k : k]
         if bool((last >= block).any()) or (n > full * k and int(index[-1]) >= tail):
             raise CodecError("sparse frame has gaps that run past the end of their block")
+        self._place(scales, index, codes, full, out)
+
+    def _place(self, scales: Tensor, index: Tensor, codes: Tensor, full: int, out: Tensor) -> None:
+        """Zero ``out`` and put each kept value (its code times its block's step) at its position. Encoding (for
+        ``encode_frame_into``) and decoding share it, so an owner's own copy of its average is bit-identical to
+        what every member decodes."""
+        block, k, n = self._block, self.k, index.numel()
+        start = torch.cat(
+            [
+                torch.arange(full, device=out.device).mul_(block).repeat_interleave(k),
+                torch.full((n - full * k,), full * block, dtype=torch.int64, device=out.device),
+            ]
+        )
         steps = exact_div(scales, float(self.levels))
         per_value = torch.cat([steps[:full].repeat_interleave(k), steps[full:].expand(n - full * k)])
         level = ((codes & (self.levels - 1)) + 1).to(torch.float32)
