@@ -41,7 +41,7 @@ def make_domains(root: Path, code_bytes: int) -> dict[str, Path]:
             break
         shutil.copy(src, code / src.name)
         total += src.stat().st_size
-    for name in ("README.md", "ARCHITECTURE.md", "SECURITY.md", "deploy/README.md"):
+    for name in ("README.md", "BENCHMARKS.md", "ARCHITECTURE.md", "SECURITY.md", "deploy/README.md"):
         shutil.copy(REPO / name, prose / name.replace("/", "-"))
     licenses = Path("/usr/share/common-licenses")
     if licenses.is_dir():

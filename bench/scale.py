@@ -261,7 +261,7 @@ def false_losses(logs: dict[int, str], kills: list[tuple[float, str]], t0: float
     """Live peers counted out: "lost" lines in the window [t0, t1] for a peer not killed in the 60 s before. Also what
     said so (`_how`), and how soon that observer heard from the peer again (a "back" line after it): a peer heard
     from seconds after a silence verdict was only slow to reach it, which is what bounded gossip under CPU
-    starvation does (README, "Scale", stop 44)."""
+    starvation does (BENCHMARKS.md, "Scale", stop 44)."""
     killed_at: dict[str, list[float]] = {}
     for at, pid in kills:
         killed_at.setdefault(pid, []).append(at)

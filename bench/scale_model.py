@@ -21,7 +21,7 @@ class Vector(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         # Every coordinate moves each step, towards a target with per-coordinate noise that the batch seeds, as a
         # real minibatch gradient's is. Without the noise every peer's update was one of 7 patterns, so a 2-peer
-        # average had a few distinct values and zstd shrank it far more than a 64-peer one (README, "Scale").
+        # average had a few distinct values and zstd shrank it far more than a 64-peer one (BENCHMARKS.md, "Scale").
         if targets is None:
             return self.weight, None
         seed = int(idx.reshape(-1)[0])

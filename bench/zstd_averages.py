@@ -1,6 +1,6 @@
-"""Why round bytes on the wire grow a little faster than 2 (n-1)/n with fp32 + zstd (README, "Scale"): an average of
-many peers' updates has more distinct values than an average of two, so zstd shrinks it less. This separates that
-from the cost of cutting the vector into n smaller frames.
+"""Why round bytes on the wire grow a little faster than 2 (n-1)/n with fp32 + zstd (BENCHMARKS.md, "Scale"): an
+average of many peers' updates has more distinct values than an average of two, so zstd shrinks it less. This
+separates that from the cost of cutting the vector into n smaller frames.
 
     python -m bench.zstd_averages [--params 262144] [--peers 2,8,64]
 

@@ -269,7 +269,7 @@ class DiLoCo(OuterAlgorithm):
     def _note_size(self, trainer: Trainer, step: int, sent_rms: float) -> None:
         """Log a contribution far larger than our recent applied ones, with what sized it: the owners' norm screen
         (robust.max_norm_ratio) refuses one 10x theirs per claimed work. At 64 peers under churn honest peers'
-        carries were refused so while the screen judged token-weighted norms (README, "Scale", stops 38-41)."""
+        carries were refused so while the screen judged token-weighted norms (BENCHMARKS.md, "Scale", stops 38-41)."""
         self.sent_rms = sent_rms
         usual = statistics.median(self.applied_rms) if len(self.applied_rms) >= 3 else 0.0
         if usual > 0 and self.sent_rms > UNUSUAL_SIZE * usual:

@@ -18,16 +18,16 @@ MAX_PART_ELEMS = 1 << 21
 """Most values in one part, part of the wire protocol since revision 14: a part bounds the CPU work that is not
 overlapped (encoding the first part before anything is sent, the owner's decode, mean and re-encode of the last),
 not only its bytes. Only the sparse codec reaches it: 256 KiB of sparse frame held 4.26M values, so a 10M-value
-vector went in two parts per shard. bench.wire, sparse, 10M values (README, "The wire at the link's limit"): 2 peers
-at 20 Mbit/s went from 0.56-0.60 of raw TCP to 0.77-0.87; 1M-value parts did as well there but lost more at 4 peers
-and 100 Mbit/s, where four daemons' per-part work on two cores sets the pace."""
+vector went in two parts per shard. bench.wire, sparse, 10M values (BENCHMARKS.md, "The wire at the link's
+limit"): 2 peers at 20 Mbit/s went from 0.56-0.60 of raw TCP to 0.77-0.87; 1M-value parts did as well there but lost
+more at 4 peers and 100 Mbit/s, where four daemons' per-part work on two cores sets the pace."""
 MIN_PART_BYTES = 64 << 10
 PART_SECONDS = 0.2
 """A round's part size (Group.part_bytes, picked by its leader): what the slowest member's measured stream moves in
 PART_SECONDS, as a power of two from MIN_PART_BYTES to PART_BYTES. On a slow link a part's return trip is what the
 pipeline cannot overlap, so parts shrink there; on a fast one per-part work dominates, so they stay at PART_BYTES.
 bench.wire, 4 peers on 2 cores: 64 KiB parts lifted int4 at 20 Mbit/s from 0.87 to 0.91-0.94 of raw TCP, and sank
-int4 at 100 Mbit/s from 0.85 to 0.56-0.62 (README, "The wire at the link's limit")."""
+int4 at 100 Mbit/s from 0.85 to 0.56-0.62 (BENCHMARKS.md, "The wire at the link's limit")."""
 
 
 def part_bytes_for(stream_rates: Iterable[float]) -> int:

@@ -20,7 +20,7 @@ PAYS_RATIO = 0.97
 MIN_COMPRESS_BYTES = 64
 DEFAULT_LEVEL = 1
 """zstd level 1: on peerd's payloads it compresses within 1-2.5% of level 3's size and encodes 1.1-3.6x faster (int8
-1.41-1.61 -> 1.97-2.18 GB/s of fp32 input on one core; `python -m bench.codec --cpu-time`, table in README)."""
+1.41-1.61 -> 1.97-2.18 GB/s of fp32 input on one core; `python -m bench.codec --cpu-time`, table in BENCHMARKS.md)."""
 MIN_LEVEL, MAX_LEVEL = -7, zstandard.MAX_COMPRESSION_LEVEL
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
