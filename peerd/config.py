@@ -33,9 +33,10 @@ SPARSE_MAX_BLOCK = 1 << 16  # peerd.codecs.sparse.MAX_SPARSE_BLOCK: block positi
 
 # What `--codec sparse` (peerd demo, bench.convergence, bench.uneven) adds: error feedback as a decaying accumulator
 # measured against the applied average, which stands in for outer momentum (SparseLoCo), so the outer step is plain
-# SGD. The outer lr is the best measured on the tiny model (README, Sparse codec): tune it on yours. Streaming DiLoCo
-# diverged at lr 3 with its default merge (alpha 0.5 leaves half of each fragment's gap to the new global in the next
-# pseudo-gradient, which a large outer lr amplifies), so its recipe merges fully (alpha 0) and measured best at lr 8.
+# SGD. The outer lr is the best measured on the tiny model (BENCHMARKS.md, sparse eval loss): tune it on yours.
+# Streaming DiLoCo diverged at lr 3 with its default merge (alpha 0.5 leaves half of each fragment's gap to the new
+# global in the next pseudo-gradient, which a large outer lr amplifies), so its recipe merges fully (alpha 0) and
+# measured best at lr 8.
 SPARSE_RECIPE: dict[str, dict[str, Any]] = {
     "codec": {"error_feedback": True, "feedback_decay": 0.8, "feedback_against": "average"},
     "outer": {"momentum": 0.0, "lr": 5.0},
