@@ -259,6 +259,27 @@ def test_encode_frame_into_a_slice_gives_the_frame_and_its_decoded_bits(name: st
     assert bool((result[:1_000] == 7.0).all()) and bool((result[6_000:] == 7.0).all())
 
 
+@pytest.mark.parametrize("name", BLOCKWISE)
+@pytest.mark.parametrize("chunk", [512, 1 << 18])
+def test_blockwise_into_paths_write_the_result_in_place_chunk_by_chunk(
+    name: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blockwise codecs dequantize straight into the caller's slice (no full-size temporary), chunk by chunk and the
+    partial last block via one row, while encoding too: the same bits as decode, whatever the chunk size."""
+    monkeypatch.setattr(blockwise, "CHUNK_ELEMS", chunk)
+    x = torch.randn(5_000, generator=torch.Generator().manual_seed(8)) * torch.logspace(-2, 2, 5_000)
+    codec = make_codec(name)
+    frame = codec.encode(x)
+    want = codec.decode(frame, 5_000).view(torch.int32)
+    result = torch.full((7_000,), 7.0)
+    assert bytes(codec.encode_frame_into(x, result[1_000:6_000])) == frame
+    assert torch.equal(result[1_000:6_000].view(torch.int32), want)
+    result.fill_(7.0)
+    codec.decode_into(frame, result[1_000:6_000])
+    assert torch.equal(result[1_000:6_000].view(torch.int32), want)
+    assert bool((result[:1_000] == 7.0).all()) and bool((result[6_000:] == 7.0).all())
+
+
 def test_decoded_tensor_is_independent_of_the_frame() -> None:
     frame = bytearray(make_codec("fp32", zstd=False).encode(torch.arange(8.0)))
     y = make_codec("fp32").decode(frame, 8)

@@ -38,6 +38,8 @@ def check_block_size(block_size: int) -> int:
 class BlockwiseCodec(Codec):
     """A frame codec around one :class:`~peerd.codecs.quant.BlockQuantizer`."""
 
+    decodes_while_encoding = True
+
     def __init__(
         self, quantizer: BlockQuantizer, *, block_size: int = 256, zstd_level: int = DEFAULT_LEVEL, zstd: bool = True
     ) -> None:
@@ -62,6 +64,14 @@ class BlockwiseCodec(Codec):
         return max(1, CHUNK_ELEMS // self._block) if device.type == "cpu" else max(1, blocks)
 
     def _encode_body(self, x: Tensor) -> Tensor:
+        return self._encode(x, None)
+
+    def _encode_body_into(self, x: Tensor, out: Tensor) -> Tensor:
+        return self._encode(x, out)
+
+    def _encode(self, x: Tensor, out: Tensor | None) -> Tensor:
+        """The body of ``x``; with ``out``, each row chunk's codes are also dequantized into it while still in cache,
+        by the decoder's own :meth:`_dequantize`, so ``out`` is bit-identical to what every receiver decodes."""
         numel, block = x.numel(), self._block
         blocks, full = self._blocks(numel), numel // block
         scales_len, payload_len = self.body_layout(numel)
@@ -70,13 +80,19 @@ class BlockwiseCodec(Codec):
         codes = body[scales_len:].view(blocks, -1)
         rows = self._rows_per_chunk(x.device, blocks)
         main = x[: full * block].view(full, block)
+        main_out = out[: full * block].view(full, block) if out is not None else None
         for r0 in range(0, full, rows):
             r1 = min(r0 + rows, full)  # the tail block, if any, is not part of main
             self._encode_rows(main[r0:r1], scales[r0:r1], codes[r0:r1])
+            if main_out is not None:
+                self._dequantize(codes[r0:r1], self.quantizer.steps(scales[r0:r1]), main_out[r0:r1])
         if full < blocks:
             tail = x.new_zeros(1, block)
             tail[0, : numel - full * block] = x[full * block :]
             self._encode_rows(tail, scales[full:], codes[full:])
+            if out is not None:
+                self._dequantize(codes[full:], self.quantizer.steps(scales[full:]), tail)
+                out[full * block :].copy_(tail[0, : numel - full * block])
         return body.cpu()
 
     def _encode_rows(self, xb: Tensor, absmax_out: Tensor, codes_out: Tensor) -> None:
@@ -103,7 +119,26 @@ class BlockwiseCodec(Codec):
         raise AssertionError("scale fitting did not converge")  # pragma: no cover - a few ulps always suffice
 
     def _decode_body(self, raw: Tensor, numel: int) -> Tensor:
-        block, blocks = self._block, self._blocks(numel)
+        blocks = self._blocks(numel)
+        out = hostmem.empty(blocks * self._block, torch.float32, raw.device)
+        codes, steps = self._checked_codes(raw, numel)
+        self._dequantize(codes, steps, out.view(blocks, self._block))
+        return out[:numel]
+
+    def _decode_body_into(self, raw: Tensor, numel: int, out: Tensor) -> None:
+        """Full blocks are dequantized straight into ``out`` (a round's result vector): a fresh tensor copied there
+        cost a 4-peer int4 round more than the dequantization itself. Only a partial last block goes via a row."""
+        block, blocks, full = self._block, self._blocks(numel), numel // self._block
+        codes, steps = self._checked_codes(raw, numel)
+        self._dequantize(codes[:full], steps[:full], out[: full * block].view(full, block))
+        if full < blocks:
+            tail = torch.empty(1, block, dtype=torch.float32, device=out.device)
+            self._dequantize(codes[full:], steps[full:], tail)
+            out[full * block :].copy_(tail[0, : numel - full * block])
+
+    def _checked_codes(self, raw: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        """The body's codes as [blocks, code bytes] and each block's dequantization step, after checking the scales."""
+        blocks = self._blocks(numel)
         scales_len = 4 * blocks
         scales = raw[:scales_len].view(torch.float32)
         codes = raw[scales_len:].view(blocks, -1)
@@ -112,13 +147,15 @@ class BlockwiseCodec(Codec):
         steps = self.quantizer.steps(scales)
         if not bool(torch.isfinite(steps * self.quantizer.max_code).all()):
             raise CodecError(f"{self.name} frame has a block scale that overflows float32 when decoded")
-        out = hostmem.empty(blocks * block, torch.float32, raw.device)
-        rows_out = out.view(blocks, block)
-        rows = self._rows_per_chunk(raw.device, blocks)
+        return codes, steps
+
+    def _dequantize(self, codes: Tensor, steps: Tensor, rows_out: Tensor) -> None:
+        """Dequantize [rows, code bytes] into [rows, block] float32 in cache-sized chunks; CodecError on a code the
+        encoder never makes (``rows_out`` may then hold part of the frame)."""
+        rows = self._rows_per_chunk(codes.device, codes.shape[0])
         invalid = [
             self.quantizer.dequantize(codes[r0 : r0 + rows], steps[r0 : r0 + rows], rows_out[r0 : r0 + rows])
-            for r0 in range(0, blocks, rows)
+            for r0 in range(0, codes.shape[0], rows)
         ]
-        if bool(torch.stack(invalid).any()):
+        if invalid and bool(torch.stack(invalid).any()):
             raise CodecError(f"{self.name} frame holds codes its encoder never produces")
-        return out[:numel]
