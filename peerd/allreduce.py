@@ -404,9 +404,9 @@ class ReduceRound(Takeover):
         """Refuse a vector no codec would send (what encoding it whole used to refuse) before any stream opens, and
         allocate the result (and, for error feedback, what our parts decode to)."""
         finite_or_raise(check_input(self.vector), "input tensor")
-        self.average = hostmem.empty(self.vector.numel(), torch.float32, torch.device("cpu"))
+        self.average = hostmem.RESULTS.empty(self.vector.numel(), torch.float32)
         if self.want_decoded and not self.codec.lossless:
-            self._decoded = hostmem.empty(self.vector.numel(), torch.float32, torch.device("cpu"))
+            self._decoded = hostmem.RESULTS.empty(self.vector.numel(), torch.float32)
 
     def _result(self, bounds: tuple[int, int]) -> torch.Tensor:
         """Where an averaged part goes in the result: it is decoded or copied there as soon as it is known (in the

@@ -1,0 +1,62 @@
+"""The large-buffer pool that round results come from (peerd/codecs/hostmem.py): reused only when no tensor or view
+of a buffer is alive, so a result a caller still holds is never overwritten by a later round."""
+
+from __future__ import annotations
+
+import torch
+
+from peerd.codecs import hostmem
+
+BIG = hostmem.HUGE_FROM_BYTES // 4 + 1_000  # float32 values: just above the pooled size
+
+
+def test_a_buffer_comes_back_only_when_nothing_uses_it() -> None:
+    pool = hostmem.Recycler(keep=2)
+    first = pool.empty(BIG, torch.float32)
+    first.fill_(1.0)
+    view = first[10:20]  # a slice, as a round hands out its parts
+    del first
+    assert pool.in_use() == 1
+    second = pool.empty(BIG, torch.float32)
+    second.fill_(2.0)
+    assert bool((view == 1.0).all()), "a buffer with a live view was handed out again"
+    first_ptr, second_ptr = view.data_ptr() - 10 * 4, second.data_ptr()
+    assert second_ptr != first_ptr
+    del view
+    assert pool.in_use() == 1
+    third = pool.empty(BIG - 5, torch.float32)  # the first buffer, now free
+    assert third.data_ptr() == first_ptr and third.numel() == BIG - 5 and third.dtype == torch.float32
+
+
+def test_the_pool_reuses_the_same_memory_round_after_round() -> None:
+    pool = hostmem.Recycler(keep=2)
+    ptrs = set()
+    for _ in range(5):
+        t = pool.empty(BIG, torch.float32)
+        t.fill_(3.0)
+        ptrs.add(t.data_ptr())
+        del t
+    assert len(ptrs) == 1
+
+
+def test_when_every_kept_buffer_is_held_a_fresh_one_is_made() -> None:
+    pool = hostmem.Recycler(keep=1)
+    held = pool.empty(BIG, torch.float32)
+    held.fill_(4.0)
+    extra = pool.empty(BIG, torch.float32)
+    extra.fill_(5.0)
+    assert bool((held == 4.0).all()) and extra.data_ptr() != held.data_ptr()
+    assert len(pool._buffers) == 1 and pool.in_use() == 1
+
+
+def test_small_and_tightest_fit_requests() -> None:
+    pool = hostmem.Recycler(keep=3)
+    small = pool.empty(1_000, torch.float32)
+    assert small.numel() == 1_000 and not pool._buffers  # below the huge-page size: plain torch.empty
+    big = pool.empty(2 * BIG, torch.float32)
+    little = pool.empty(BIG, torch.float32)
+    big_ptr, little_ptr = big.data_ptr(), little.data_ptr()
+    del big, little
+    assert pool.empty(BIG, torch.float32).data_ptr() == little_ptr  # not the larger buffer
+    assert pool.empty(4 * BIG, torch.uint8).data_ptr() == little_ptr  # any dtype: the pool holds bytes
+    assert pool.empty(2 * BIG, torch.float32).data_ptr() == big_ptr
