@@ -258,10 +258,13 @@ class ReduceRound(Takeover):
         return not self._done and not self.failed and peer_id in self.ids and peer_id not in self.lost | self.left
 
     def finished(self) -> None:
-        """The round completed here: drop what only contributing needed; what we hold stays for relays."""
+        """The round completed here: drop what only contributing needed; what we hold stays for relays. The result
+        is the caller's now: a shard relayed to us later is decoded (to check it) into scratch, never into it, and
+        its buffer goes back to the pool once the caller lets go (hostmem.RESULTS)."""
         self._done = True
         self.vector = self.vector.new_empty(0)
         self._decoded = None
+        self.average = None
 
     def abort(self, exc: BaseException) -> None:
         self._failed = self._failed or exc
@@ -410,8 +413,10 @@ class ReduceRound(Takeover):
 
     def _result(self, bounds: tuple[int, int]) -> torch.Tensor:
         """Where an averaged part goes in the result: it is decoded or copied there as soon as it is known (in the
-        executor, overlapping the waits for the others) rather than assembled at the end."""
-        assert self.average is not None
+        executor, overlapping the waits for the others) rather than assembled at the end. After `finished`: scratch."""
+        if self.average is None:
+            assert self._done, "a part was placed before the round allocated its result"
+            return torch.empty(bounds[1] - bounds[0])
         return self.average[bounds[0] : bounds[1]]
 
     def _own_part(self, j: int, k: int) -> tuple[torch.Tensor, float, bool]:

@@ -92,7 +92,7 @@ class Takeover:
             codec=self.codec, n=self.n, sources=self._line_before(shard),
         )  # fmt: skip
         owner = await self.wait_owner(shard, held.source)
-        if self.average is not None and await owner.adopt(held.frames(), held.source):
+        if (self.average is not None or self._done) and await owner.adopt(held.frames(), held.source):
             log.debug("shard %d of a lost owner reached us through %s", shard, sender[:8])
             if not self._done:  # members of this round wait for it (after completion: only if one asks)
                 self._say_relayed(shard, held.source)

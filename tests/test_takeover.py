@@ -118,3 +118,22 @@ def test_an_owner_between_that_answers_the_probe_is_alive_and_the_takeover_is_re
             rnd.owner_for(0, ids[3])  # the refusal says what the probe found
 
     asyncio.run(main())
+
+
+def test_a_finished_round_lets_go_of_its_result_and_decodes_late_parts_into_scratch() -> None:
+    """A completed round lingers to relay what it holds, but its result is the caller's: a shard relayed to it later
+    must not land there, and holding it would keep the result's buffer from going back to the pool
+    (peerd/codecs/hostmem.py) while the round lingers."""
+
+    async def main() -> None:
+        rnd, _ = _round()
+        rnd._prepare()
+        result = rnd.average
+        assert result is not None
+        result.fill_(1.0)
+        rnd.finished()
+        assert rnd.average is None
+        rnd.ctx.result((0, 16)).fill_(9.0)  # where a late relayed or taken-over part would be decoded
+        assert bool((result == 1.0).all())
+
+    asyncio.run(main())
