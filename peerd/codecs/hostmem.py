@@ -5,6 +5,10 @@ first write to each 4 KiB page costs a fault: on the 2-core machines peers run o
 ~10 ms, more than the dequantization itself. Advising the kernel to back the buffer with 2 MiB transparent huge
 pages (``MADV_HUGEPAGE``) cuts that to ~3 ms. The advice is only a hint: where THP is off (``never``), the
 platform is not Linux, or the call fails, the buffer is an ordinary one and nothing else changes.
+
+Huge pages still cost their zeroing on every first touch, and with four daemons on two cores a fresh 40 MB result per
+round cost far more than on an idle machine. Round results therefore come from `RESULTS`, a pool that hands a buffer
+out again once no tensor uses it.
 """
 
 from __future__ import annotations
