@@ -60,3 +60,20 @@ def test_small_and_tightest_fit_requests() -> None:
     assert pool.empty(BIG, torch.float32).data_ptr() == little_ptr  # not the larger buffer
     assert pool.empty(4 * BIG, torch.uint8).data_ptr() == little_ptr  # any dtype: the pool holds bytes
     assert pool.empty(2 * BIG, torch.float32).data_ptr() == big_ptr
+
+
+def test_the_pool_stays_within_its_bytes_and_makes_room_for_a_new_size() -> None:
+    """Sizes change (Streaming's fragments): free buffers too small for a request are dropped to make room, and a
+    request past max_bytes is an ordinary buffer, so the pool never holds more than max_bytes."""
+    big = 4 * BIG * 4  # bytes of a 4 * BIG float32 request
+    pool = hostmem.Recycler(keep=2, max_bytes=big)
+    a, b = pool.empty(BIG, torch.float32), pool.empty(BIG, torch.float32)
+    assert pool.kept_bytes() == 2 * BIG * 4
+    del a, b
+    large = pool.empty(4 * BIG, torch.float32)  # no free buffer fits: both small ones go, one large one is kept
+    assert pool.kept_bytes() == big and pool.in_use() == 1
+    held = pool.empty(BIG, torch.float32)  # the large one is in use and the cap is reached: a fresh buffer
+    assert pool.kept_bytes() == big and held.data_ptr() != large.data_ptr()
+    del large
+    too_big = pool.empty(5 * BIG, torch.float32)  # past max_bytes alone: never kept, the free one stays
+    assert too_big.numel() == 5 * BIG and pool.kept_bytes() == big and pool.in_use() == 0

@@ -68,12 +68,14 @@ class Recycler:
     huge pages: 18% of all CPU). Each buffer is an anonymous ``mmap``; the tensors made from it hold a reference to
     it, so its reference count says whether any tensor or view of it is still alive, with no private torch API.
 
-    At most ``keep`` buffers are kept; when all of those are in use (a caller holds results), a buffer is an
-    ordinary fresh one, as before. Resident memory therefore stays at its high-water mark, as with the tuned
-    allocator (peerd/allocator.py) and PyTorch's caching allocators."""
+    At most ``keep`` buffers and ``max_bytes`` are kept. A request no free buffer fits makes room by dropping free
+    buffers (sizes change: Streaming's fragments); when the kept ones are in use (callers hold results), or the
+    request alone is past ``max_bytes``, the buffer is an ordinary fresh one, as before. Between rounds resident
+    memory stays at most ``max_bytes`` above what callers hold, as with the tuned allocator (peerd/allocator.py)."""
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 4, max_bytes: int = 512 << 20) -> None:
         self.keep = keep
+        self.max_bytes = max_bytes
         self._buffers: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -83,17 +85,32 @@ class Recycler:
         if nbytes < HUGE_FROM_BYTES:
             return torch.empty(numel, dtype=dtype)
         with self._lock:
-            free = [b for b in self._buffers if len(b) >= nbytes and sys.getrefcount(b) <= _POOL_REFS]
-            if free:
-                buf = min(free, key=len)  # the tightest fit leaves the big ones for big requests
-            elif len(self._buffers) < self.keep:
-                buf = mmap.mmap(-1, nbytes)
-                self._buffers.append(buf)
-            else:
+            buf = self._take(nbytes)
+            if buf is None:
                 return empty(numel, dtype, torch.device("cpu"))
             t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype)
         advise_huge(t)  # a no-op in effect once the pages are huge; first use asks before the first touch
         return t
+
+    def _take(self, nbytes: int) -> mmap.mmap | None:
+        free = [b for b in self._buffers if sys.getrefcount(b) <= _POOL_REFS]
+        fits = [b for b in free if len(b) >= nbytes]
+        if fits:
+            return min(fits, key=len)  # the tightest fit leaves the big ones for big requests
+        if nbytes > self.max_bytes:
+            return None
+        for old in sorted(free, key=len):  # make room: a free buffer too small for this is only memory held
+            if len(self._buffers) < self.keep and self.kept_bytes() + nbytes <= self.max_bytes:
+                break
+            self._buffers.remove(old)
+        if len(self._buffers) >= self.keep or self.kept_bytes() + nbytes > self.max_bytes:
+            return None
+        buf = mmap.mmap(-1, nbytes)
+        self._buffers.append(buf)
+        return buf
+
+    def kept_bytes(self) -> int:
+        return sum(len(b) for b in self._buffers)
 
     def in_use(self) -> int:
         """How many kept buffers some tensor still uses (for tests and metrics)."""
@@ -101,7 +118,7 @@ class Recycler:
             return sum(sys.getrefcount(b) > _POOL_REFS for b in self._buffers)
 
 
-_POOL_REFS = 3  # the pool's list, the comprehension's loop variable, getrefcount's argument: nothing else holds it
+_POOL_REFS = 3  # the pool's list, a comprehension's loop variable, getrefcount's argument: nothing else holds it
 
 RESULTS = Recycler()
 """The process's pool for round results (peerd/allreduce.py)."""
