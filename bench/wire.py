@@ -21,6 +21,9 @@ bridge is not the bottleneck), a reduce-scatter + all-gather of V bytes over n p
 2 (n-1)/n V bytes (its contribution to every other shard, then its averaged shard to every other member), so no
 schedule can finish before 2 (n-1)/n V * 8 / R s; receiving is symmetric, so shaping downloads too changes
 nothing. Raw TCP all-to-all is that limit as TCP (headers, start-up, n-1 flows sharing one tbf) reaches it.
+
+The last column, CPU s, is each daemon's process CPU time per round (all threads): the peers share this machine's
+cores, so it tells a cell set by CPU (peers x CPU s near cores x round s) from one set by the wire's schedule.
 """
 
 from __future__ import annotations
@@ -125,12 +128,13 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for step in range(args.rounds):
         time.sleep(args.gap)
-        start = time.time()  # wall clock: the peers share this machine's, so starts and ends compare across them
+        start, cpu = time.time(), time.process_time()  # wall: the peers share this machine's clock
         result = daemon.allreduce(step, vector)
         rows.append(
             {
                 "start": start,
                 "end": time.time(),
+                "cpu": time.process_time() - cpu,  # every thread of this daemon, gossip included
                 "reduce": result.stats.seconds,
                 "sent": result.stats.wire_bytes,
                 "received": result.stats.received_wire_bytes,
@@ -252,6 +256,7 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
         "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
     }  # fmt: skip
     row["part_kib"] = statistics.median(r[k].get("part_bytes", 0) for r in results for k in rounds) / 1024
+    row["cpu_s_per_peer"] = statistics.median(r[k]["cpu"] for r in results for k in rounds)
     if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
         row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
     # for --trace: every measured round's [start, end] and every one-connection raw run's
@@ -261,7 +266,7 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
         f"{n:>5} {rate:>6g} {codec:>6} {sent / 1e6:>9.2f} {wall:>8.2f} {reduce:>8.2f} {raw:>7.2f} "
         f"{row['round_vs_raw']:>9.3f} {row['reduce_vs_raw']:>10.3f} {row['round_vs_rate']:>9.3f} "
         f"{row['raw_vs_rate']:>8.3f} {row['tbf_drops_per_round']:>7.0f} {row['tbf_drops_per_raw_run']:>7.0f} "
-        f"{row['part_kib']:>5.0f}",
+        f"{row['part_kib']:>5.0f} {row['cpu_s_per_peer']:>6.2f}",
         flush=True,
     )
     if args.raw_pairs:
@@ -331,14 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
           f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8} {'drops/r':>7} "
-          f"{'drops/t':>7} {'part':>5}")  # fmt: skip
+          f"{'drops/t':>7} {'part':>5} {'CPU s':>6}")  # fmt: skip
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
         for rate in (float(x) for x in args.rates.split(",")):
             rows += measure(n, rate, args)
     print("round/raw: raw-TCP seconds over round seconds (goodput as a fraction of raw TCP's); lim: the uplink's")
     print("time for the bytes at the shaped rate (TCP/IP headers alone cap raw/lim at ~0.956); drops: tbf drops on all")
-    print("uplinks per round (r) and per raw-TCP run (t); part: the rounds' part size in KiB (the leader's pick)")
+    print("uplinks per round (r) and per raw-TCP run (t); part: the rounds' part size in KiB (the leader's pick);")
+    print("CPU s: CPU seconds per round of one daemon process (median over peers and rounds). The peers share this")
+    print("machine's cores: a round whose peers x CPU s nears cores x round s is CPU-bound, not wire-bound")
     if args.json:
         print(json.dumps(rows))
     return 0
