@@ -278,6 +278,9 @@ def test_blockwise_into_paths_write_the_result_in_place_chunk_by_chunk(
     codec.decode_into(frame, result[1_000:6_000])
     assert torch.equal(result[1_000:6_000].view(torch.int32), want)
     assert bool((result[:1_000] == 7.0).all()) and bool((result[6_000:] == 7.0).all())
+    strided = torch.full((10_000,), 7.0)
+    codec.decode_into(frame, strided[::2])  # a strided slice takes the rows too
+    assert torch.equal(strided[::2].view(torch.int32), want) and bool((strided[1::2] == 7.0).all())
 
 
 def test_decoded_tensor_is_independent_of_the_frame() -> None:
