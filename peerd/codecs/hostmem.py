@@ -78,6 +78,8 @@ class Recycler:
         self.max_bytes = max_bytes
         self._buffers: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        held = [object()]  # what _refs says of something only a list holds, in the same check as _take's
+        (self._free_refs,) = [_refs(b) for b in held]
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A CPU tensor of ``numel`` values whose contents are undefined (like ``torch.empty``)."""
@@ -93,7 +95,7 @@ class Recycler:
         return t
 
     def _take(self, nbytes: int) -> mmap.mmap | None:
-        free = [b for b in self._buffers if sys.getrefcount(b) <= _POOL_REFS]
+        free = [b for b in self._buffers if _refs(b) <= self._free_refs]
         fits = [b for b in free if len(b) >= nbytes]
         if fits:
             return min(fits, key=len)  # the tightest fit leaves the big ones for big requests
@@ -115,10 +117,14 @@ class Recycler:
     def in_use(self) -> int:
         """How many kept buffers some tensor still uses (for tests and metrics)."""
         with self._lock:
-            return sum(sys.getrefcount(b) > _POOL_REFS for b in self._buffers)
+            return len([b for b in self._buffers if _refs(b) > self._free_refs])
 
 
-_POOL_REFS = 3  # the pool's list, a comprehension's loop variable, getrefcount's argument: nothing else holds it
+def _refs(obj: object) -> int:
+    """``obj``'s reference count as seen from here. The pool compares it with a count measured the same way, not with
+    a constant: interpreters differ in which references on the stack they count (3.14 borrows some)."""
+    return sys.getrefcount(obj)
+
 
 RESULTS = Recycler()
 """The process's pool for round results (peerd/allreduce.py)."""
