@@ -3,6 +3,8 @@ of a buffer is alive, so a result a caller still holds is never overwritten by a
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from peerd.codecs import hostmem
@@ -77,3 +79,29 @@ def test_the_pool_stays_within_its_bytes_and_makes_room_for_a_new_size() -> None
     del large
     too_big = pool.empty(5 * BIG, torch.float32)  # past max_bytes alone: never kept, the free one stays
     assert too_big.numel() == 5 * BIG and pool.kept_bytes() == big and pool.in_use() == 0
+
+
+def test_threads_never_share_a_live_buffer() -> None:
+    """Rounds allocate from executor threads and the event loop at once: a buffer handed to one thread is never handed
+    to another while the first still holds it, however many threads ask (keep=2 forces fresh ones too)."""
+    import threading
+
+    pool = hostmem.Recycler(keep=2)
+    errors: list[str] = []
+
+    def work(me: int) -> None:
+        for _ in range(12):
+            t = pool.empty(BIG, torch.float32)
+            t.fill_(float(me))
+            time.sleep(0.001)
+            if not bool((t == float(me)).all()):
+                errors.append(f"thread {me}: its buffer was written by another thread")
+            del t
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert pool.in_use() == 0 and len(pool._buffers) <= 2
