@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerd.codecs import make_codec
+from peerd.codecs import hostmem, make_codec
 from peerd.layout import (
     MAX_PART_ELEMS,
     MIN_PART_BYTES,
@@ -32,7 +32,8 @@ from tests.swarm import ids_in_order
 REPO = Path(__file__).resolve().parent.parent
 NUMEL = 1_500_000  # 6 MB of fp32: 3 shards of 2 MB, each 8 parts of at most 256 KiB
 
-# One peer: join, wait for the others, average its seeded vector once, save the result.
+# One peer: join, wait for the others, average its seeded vector (plus the step) PEERD_TEST_ROUNDS times, and save
+# every round's result, each kept until the end as a caller may keep it.
 _WORKER = textwrap.dedent(
     """
     import json, logging, os, sys, threading, time
@@ -40,6 +41,7 @@ _WORKER = textwrap.dedent(
     import torch
     # INFO with timestamps: a failed test's log then shows which peer waited for what, and how long
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from peerd.codecs import hostmem
     from peerd.config import RunConfig
     from peerd.daemon import Daemon
     from peerd.identity import Identity
@@ -53,14 +55,16 @@ _WORKER = textwrap.dedent(
     d.wait_for_peers(n, threading.Event(), timeout=60)
     vec = torch.randn(numel, generator=torch.Generator().manual_seed(index))
     try:
-        parts = []
+        parts, held = [], []
         for step in range(int(os.environ.get("PEERD_TEST_ROUNDS", "1"))):  # each later round: the leader measured us
             if step:
                 d.publish(StateSnapshot(step, {}))
-            r = d.allreduce(step, vec)
+            r = d.allreduce(step, vec + step)
             parts.append(d.status.last_round.part_bytes)
-        torch.save(r.average, out.with_suffix(".pt"))
-        res = {"id": d.identity.peer_id, "included": r.included, "part_bytes": parts}
+            held.append(r.average)
+        torch.save(held, out.with_suffix(".pt"))
+        res = {"id": d.identity.peer_id, "included": r.included, "part_bytes": parts,
+               "pooled": hostmem.RESULTS.kept_bytes()}
     except Exception as exc:
         res = {"id": d.identity.peer_id, "error": repr(exc)}
     out.write_text(json.dumps(res))
@@ -70,12 +74,12 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _run_peers(tmp_path: Path, n: int, env_of: dict[int, dict[str, str]]) -> list[tuple[dict, str]]:
+def _run_peers(tmp_path: Path, n: int, env_of: dict[int, dict[str, str]], numel: int = NUMEL) -> list[tuple[dict, str]]:
     base = dict(os.environ, PYTHONPATH=str(REPO))
     procs = []
     for i in range(n):
         boot = [(tmp_path / "peer0" / "address").read_text().strip()] if i else []
-        argv = [sys.executable, "-c", _WORKER, str(i), str(n), str(NUMEL), str(tmp_path / f"r{i}.json"), *boot]
+        argv = [sys.executable, "-c", _WORKER, str(i), str(n), str(numel), str(tmp_path / f"r{i}.json"), *boot]
         log = open(tmp_path / f"log{i}", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(argv, env={**base, **env_of.get(i, {})}, stdout=log, stderr=log), log))
         if i == 0:
@@ -95,12 +99,17 @@ def _run_peers(tmp_path: Path, n: int, env_of: dict[int, dict[str, str]]) -> lis
     return [(json.loads((tmp_path / f"r{i}.json").read_text()), (tmp_path / f"log{i}").read_text()) for i in range(n)]
 
 
-def _vector(i: int) -> torch.Tensor:
-    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))
+def _vector(i: int, numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(i))
+
+
+def _results(tmp_path: Path, i: int) -> list[torch.Tensor]:
+    """Peer i's result of every round, in order."""
+    return torch.load(tmp_path / f"r{i}.pt", weights_only=True)
 
 
 def _average(tmp_path: Path, i: int) -> torch.Tensor:
-    return torch.load(tmp_path / f"r{i}.pt", weights_only=True)
+    return _results(tmp_path, i)[-1]
 
 
 def test_every_shard_spans_several_parts() -> None:
@@ -117,6 +126,24 @@ def test_a_vector_of_many_parts_ends_bit_identical_on_three_peers(tmp_path: Path
         assert torch.equal(first, _average(tmp_path, i))
     expected = (_vector(0) + _vector(1) + _vector(2)) / 3
     assert torch.allclose(first, expected, atol=1e-6)
+
+
+def test_results_held_across_rounds_stay_their_own(tmp_path: Path) -> None:
+    """Round results from the pool (peerd/codecs/hostmem.py) in real daemons: two peers average a vector big enough for
+    the pool three times and keep every result. A buffer handed out again while a caller held it would show as an
+    earlier round's result turning into a later one's."""
+    numel, rounds = hostmem.HUGE_FROM_BYTES // 4 + 100_000, 3  # just past the pool's threshold
+    results = _run_peers(tmp_path, 2, {i: {"PEERD_TEST_ROUNDS": str(rounds)} for i in range(2)}, numel)
+    bases = [_vector(i, numel) for i in range(2)]
+    for i, (report, log) in enumerate(results):
+        assert "error" not in report, log[-3000:]
+        assert report["pooled"] >= numel * 4, report  # the results did come from the pool
+        held = _results(tmp_path, i)
+        assert len(held) == rounds
+        for step, result in enumerate(held):
+            expected = (bases[0] + step + bases[1] + step) / 2
+            assert torch.allclose(result, expected, atol=1e-5), f"peer {i}: round {step}'s result changed"
+        assert len({r.data_ptr() for r in held}) == rounds  # three live results, three buffers
 
 
 def test_a_slow_uplink_makes_the_leader_cut_smaller_parts(tmp_path: Path) -> None:
