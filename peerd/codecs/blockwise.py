@@ -91,8 +91,7 @@ class BlockwiseCodec(Codec):
             tail[0, : numel - full * block] = x[full * block :]
             self._encode_rows(tail, scales[full:], codes[full:])
             if out is not None:
-                self._dequantize(codes[full:], self.quantizer.steps(scales[full:]), tail)
-                out[full * block :].copy_(tail[0, : numel - full * block])
+                self._dequantize_tail(codes[full:], self.quantizer.steps(scales[full:]), out[full * block :])
         return body.cpu()
 
     def _encode_rows(self, xb: Tensor, absmax_out: Tensor, codes_out: Tensor) -> None:
@@ -132,9 +131,7 @@ class BlockwiseCodec(Codec):
         codes, steps = self._checked_codes(raw, numel)
         self._dequantize(codes[:full], steps[:full], out[: full * block].view(full, block))
         if full < blocks:
-            tail = torch.empty(1, block, dtype=torch.float32, device=out.device)
-            self._dequantize(codes[full:], steps[full:], tail)
-            out[full * block :].copy_(tail[0, : numel - full * block])
+            self._dequantize_tail(codes[full:], steps[full:], out[full * block :])
 
     def _checked_codes(self, raw: Tensor, numel: int) -> tuple[Tensor, Tensor]:
         """The body's codes as [blocks, code bytes] and each block's dequantization step, after checking the scales."""
@@ -148,6 +145,12 @@ class BlockwiseCodec(Codec):
         if not bool(torch.isfinite(steps * self.quantizer.max_code).all()):
             raise CodecError(f"{self.name} frame has a block scale that overflows float32 when decoded")
         return codes, steps
+
+    def _dequantize_tail(self, codes: Tensor, steps: Tensor, out: Tensor) -> None:
+        """The partial last block: dequantized as one whole row, of which ``out`` takes the first ``out.numel()``."""
+        row = torch.empty(1, self._block, dtype=torch.float32, device=out.device)
+        self._dequantize(codes, steps, row)
+        out.copy_(row[0, : out.numel()])
 
     def _dequantize(self, codes: Tensor, steps: Tensor, rows_out: Tensor) -> None:
         """Dequantize [rows, code bytes] into [rows, block] float32 in cache-sized chunks; CodecError on a code the
