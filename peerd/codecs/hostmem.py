@@ -95,21 +95,28 @@ class Recycler:
         return t
 
     def _take(self, nbytes: int) -> mmap.mmap | None:
-        free = [b for b in self._buffers if _refs(b) <= self._free_refs]
+        free = self._free()
         fits = [b for b in free if len(b) >= nbytes]
         if fits:
             return min(fits, key=len)  # the tightest fit leaves the big ones for big requests
         if nbytes > self.max_bytes:
             return None
-        for old in sorted(free, key=len):  # make room: a free buffer too small for this is only memory held
-            if len(self._buffers) < self.keep and self.kept_bytes() + nbytes <= self.max_bytes:
-                break
-            self._buffers.remove(old)
-        if len(self._buffers) >= self.keep or self.kept_bytes() + nbytes > self.max_bytes:
+
+        def room() -> bool:
+            return len(self._buffers) < self.keep and self.kept_bytes() + nbytes <= self.max_bytes
+
+        smallest_first = sorted(free, key=len)  # none fits: a free buffer too small for this is only memory held
+        while smallest_first and not room():
+            self._buffers.remove(smallest_first.pop(0))
+        if not room():
             return None
         buf = mmap.mmap(-1, nbytes)
         self._buffers.append(buf)
         return buf
+
+    def _free(self) -> list[mmap.mmap]:
+        """The kept buffers no tensor uses (the comprehension ``_free_refs`` was measured in)."""
+        return [b for b in self._buffers if _refs(b) <= self._free_refs]
 
     def kept_bytes(self) -> int:
         return sum(len(b) for b in self._buffers)
@@ -117,7 +124,7 @@ class Recycler:
     def in_use(self) -> int:
         """How many kept buffers some tensor still uses (for tests and metrics)."""
         with self._lock:
-            return len([b for b in self._buffers if _refs(b) > self._free_refs])
+            return len(self._buffers) - len(self._free())
 
 
 def _refs(obj: object) -> int:
