@@ -279,14 +279,16 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
 
 
 def _print_trace(trace: UplinkTrace, row: dict[str, Any], n: int, rate: float) -> None:
-    """Each uplink's busy share per 0.5 s of every measured round and raw run (bench/uplink_trace.py), and the
-    median share over the whole round: where a round loses to raw TCP, this shows whether its uplinks idled."""
+    """Each uplink's busy share per 0.5 s of every measured round and raw run (bench/uplink_trace.py; per 1/25 of
+    the window, at least 40 ms, where a round is shorter than 12.5 s), and the median share over the whole round:
+    where a round loses to raw TCP, this shows whether its uplinks idled, and when."""
     for what, windows in (("round", row["_windows"]), ("raw", row["_raw_windows"])):
         shares = []
         for k, (a, b) in enumerate(windows):
             for i in range(n):
                 shares.append(trace.busy(i, a, b, rate))
-                print(f"      {what} {k + 1} peer {i}: |{render(trace.bins(i, a, b, rate))}|", flush=True)
+                width = min(0.5, max(0.04, (b - a) / 25))
+                print(f"      {what} {k + 1} peer {i}: |{render(trace.bins(i, a, b, rate, width))}|", flush=True)
         row[f"{what}_uplink_busy"] = statistics.median(shares)
         print(f"      {what}: uplinks busy {row[f'{what}_uplink_busy']:.1%} of the time (median)", flush=True)
 
