@@ -305,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plaintext", action="store_true", help="no TLS (peerd start uses TLS)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time")
+    ap.add_argument(
+        "--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time (1/25 of shorter rounds)"
+    )
     ap.add_argument(
         "--raw-pairs", action="store_true", help="also time raw TCP over two connections per pair (six flows per "
         "uplink at 4 peers, as peerd's rounds use), to see whether the connection count costs goodput (drops/t then "
