@@ -3,6 +3,7 @@ of a buffer is alive, so a result a caller still holds is never overwritten by a
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -84,8 +85,6 @@ def test_the_pool_stays_within_its_bytes_and_makes_room_for_a_new_size() -> None
 def test_threads_never_share_a_live_buffer() -> None:
     """Rounds allocate from executor threads and the event loop at once: a buffer handed to one thread is never handed
     to another while the first still holds it, however many threads ask (keep=2 forces fresh ones too)."""
-    import threading
-
     pool = hostmem.Recycler(keep=2)
     errors: list[str] = []
 
