@@ -308,17 +308,30 @@ def uplink_mbit(environ: Mapping[str, str] | None = None) -> float:
     return value if 0.0 < value < math.inf else 0.0
 
 
+UPLINK_QUANTUM = 16 * 1024  # bytes a message is paced by: concurrent messages take turns at this grain
+
+
 class Uplink:
-    """One token bucket for the process: a message of n bytes leaves n / rate seconds after the previous one."""
+    """One token bucket for the process, shared the way a real uplink shares its rate between flows: a message of n
+    bytes takes its turn quantum by quantum (UPLINK_QUANTUM) behind whatever else is waiting, so k messages in flight
+    each move at about rate / k and finish together. Paced as whole messages in arrival order instead, three owners'
+    parts would reach the first owner at a third of the time the link needs for all three: that owner would see a slow
+    peer as prompt, which no TCP link with one flow per peer does."""
 
     def __init__(self, mbit: float) -> None:
         self.bytes_per_s = mbit * 1e6 / 8
         self._free_at = 0.0
 
     async def take(self, n: int) -> None:
-        now = time.monotonic()
-        self._free_at = max(now, self._free_at) + n / self.bytes_per_s
-        await asyncio.sleep(self._free_at - now)
+        left = n
+        while True:
+            quantum = min(left, UPLINK_QUANTUM)
+            left -= quantum
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + quantum / self.bytes_per_s
+            await asyncio.sleep(self._free_at - now)
+            if left <= 0:
+                return
 
     async def pace(self, messages: Any) -> AsyncIterator[Any]:
         """Yield `messages` (a sync or async iterator) no faster than the uplink allows."""
