@@ -24,7 +24,7 @@ else:  # pragma: no cover
 
 # The wire protocol's revision (proto/peerd/v1/peerd.proto, header): part of the run spec, so peers that speak
 # different revisions never meet in one run; the Join refusal names the field "protocol".
-PROTOCOL = 15
+PROTOCOL = 16
 ALGORITHMS = ("diloco", "streaming", "noloco", "ddp", "ensemble")  # ddp: every-step gradient all-reduce baseline
 CODECS = ("fp32", "bf16", "int8", "fp8", "e3m0", "int4", "sparse")
 FEEDBACK_AGAINST = ("contribution", "average")  # peerd.codecs.feedback.FEEDBACK_AGAINST

@@ -161,10 +161,12 @@ def part_messages(
     chain: bytes,
     stats: RoundStats | None = None,
 ) -> tuple[list[pb.TensorMessage], bytes]:
-    """One part's signed messages and its digest (the next part's chain), counted in `stats` as sent."""
-    msgs = list(tensor_messages(header, payload, identity, run_id, chunk, chain))
+    """One part's signed messages (one, where it fits a chunk) and its digest (the next part's chain), counted in
+    `stats` as sent."""
+    msgs = list(tensor_messages(header, payload, identity, run_id, chunk, chain, whole=True))
     if stats is not None:
         stats.wire_bytes += len(payload)
         stats.messages += len(msgs)
         stats.raw_bytes += 4 * header.numel
-    return msgs, msgs[-1].trailer.digest
+    last = msgs[-1]
+    return msgs, (last.seal if last.HasField("seal") else last.trailer).digest

@@ -450,14 +450,18 @@ class TensorTrailer(_message.Message):
     def __init__(self, digest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("header", "chunk", "trailer")
+    __slots__ = ("header", "chunk", "trailer", "body", "seal")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     header: TensorHeader
     chunk: bytes
     trailer: TensorTrailer
-    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
+    body: bytes
+    seal: TensorTrailer
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., trailer: _Optional[_Union[TensorTrailer, _Mapping]] = ..., body: _Optional[bytes] = ..., seal: _Optional[_Union[TensorTrailer, _Mapping]] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("auth", "step", "group_size")
