@@ -34,6 +34,12 @@ Choice of tbf parameters (see :func:`tbf_params`):
 
 tbf counts whole Ethernet frames, so the best possible TCP payload rate is 1448/1514 (about 95.6 %) of the shaped
 rate with a 1500-byte MTU and TCP timestamps.
+
+Congestion control: every host namespace runs ``cubic`` (``congestion=``), whatever the machine's default, so that a
+figure does not change with the host it was measured on. cubic is the default of Linux, Windows and macOS, so it is
+what most volunteers' machines run. This machine's default is BBR (v1), and on these shallow tbf queues it behaves
+differently: peerd's 4-peer rounds at 20 Mbit/s (three flows out of every uplink) lost 10,000-15,000 packets per
+round with BBR against 150-400 with cubic, and took 6-13 % longer (BENCHMARKS.md, "The wire at the link's limit").
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
+    "DEFAULT_CONGESTION",
     "SlowLinkError",
     "SlowLinkNet",
     "SlowLinkUnavailable",
@@ -77,6 +84,8 @@ _MIN_LIMIT = 256 * 1024
 _BURST_SECONDS = 0.004
 _QUEUE_SECONDS = 0.050
 _CMD_TIMEOUT = 20.0
+_CONGESTION = re.compile(r"^[a-z0-9_]{1,15}$")  # a kernel congestion-control name (TCP_CA_NAME_MAX is 16)
+DEFAULT_CONGESTION = "cubic"
 
 
 class SlowLinkUnavailable(RuntimeError):
@@ -317,7 +326,12 @@ class SlowLinkNet:
         *,
         subnet: str = "10.77.0.0/24",
         down_rate_mbit: float | list[float] | None = None,
+        congestion: str | None = DEFAULT_CONGESTION,
     ) -> None:
+        if congestion is not None and not (isinstance(congestion, str) and _CONGESTION.match(congestion)):
+            raise ValueError(
+                f"congestion must be a kernel congestion-control name such as cubic or bbr, got {congestion!r}"
+            )
         if isinstance(n_hosts, bool) or not isinstance(n_hosts, int):
             raise ValueError(f"n_hosts must be an int, got {type(n_hosts).__name__}")
         if not 1 <= n_hosts <= _MAX_HOSTS:
@@ -335,6 +349,7 @@ class SlowLinkNet:
             [None] * n_hosts if down_rate_mbit is None else list(_rate_list(down_rate_mbit, n_hosts, "down_rate_mbit"))
         )
         self._addresses = [str(network.network_address + 1 + i) for i in range(n_hosts)]
+        self._congestion = congestion
         tag = _unique_tag()
         self._hub = f"{_NS_PREFIX}{tag}-hub"
         self._hosts = [f"{_NS_PREFIX}{tag}-h{i}" for i in range(n_hosts)]
@@ -396,6 +411,7 @@ class SlowLinkNet:
             _exec([ip, "-n", hub, "link", "set", port, "master", _BRIDGE])
             _exec([ip, "-n", hub, "link", "set", port, "up"])
             self._quiet_ipv6(ns)
+            self._set_congestion(ns)
             _exec([ip, "-n", ns, "link", "set", "lo", "up"])
             _exec([ip, "-n", ns, "addr", "add", f"{self._addresses[i]}/{prefix}", "dev", _HOST_IF])
             _exec([ip, "-n", ns, "link", "set", _HOST_IF, "up"])
@@ -411,6 +427,18 @@ class SlowLinkNet:
         """
         _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
                "net.ipv6.conf.default.disable_ipv6=1"], check=False)  # fmt: skip
+
+    def _set_congestion(self, ns: str) -> None:
+        """Give ``ns`` its own TCP congestion control (a per-namespace sysctl); None keeps the one it inherited."""
+        if self._congestion is None:
+            return
+        key = "net.ipv4.tcp_congestion_control"
+        done = _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self._congestion}"], check=False)
+        if done.returncode != 0:
+            raise SlowLinkError(
+                f"cannot set {key}={self._congestion} in a namespace ({done.stderr.strip()}); pick one of "
+                "net.ipv4.tcp_available_congestion_control, or load its module (modprobe tcp_<name>)"
+            )
 
     def _shape(self, ns: str, dev: str, rate_mbit: float) -> None:
         _exec([self._tc, "-n", ns, "qdisc", "replace", "dev", dev, "root", *_tbf_argv(rate_mbit)])
@@ -446,6 +474,12 @@ class SlowLinkNet:
     @property
     def n_hosts(self) -> int:
         return self._n
+
+    def congestion(self, i: int) -> str:
+        """The TCP congestion control host ``i``'s connections use, as its namespace reports it."""
+        self._require_up()
+        done = _exec([self._ip, "netns", "exec", self.netns(i), "sysctl", "-n", "net.ipv4.tcp_congestion_control"])
+        return done.stdout.strip()
 
     def namespaces(self) -> list[str]:
         """Every namespace this net owns (hosts, then hub), so callers can check for leftovers."""

@@ -1,7 +1,7 @@
 """The wire at the link's limit: a DiLoCo round's time on tbf-shaped links against raw TCP moving the same bytes.
 
     python -m bench.wire [--quick] [--params 10_000_000] [--peers 2,4] [--rates 20,100] [--codecs int8,int4,fp32]
-                         [--repeats 3] [--plaintext] [--raw-pairs] [--trace] [--json]
+                         [--repeats 3] [--plaintext] [--raw-pairs] [--cc cubic] [--trace] [--json]
 
 Needs root (network namespaces, see bench/slowlink.py). For every (peers, rate) one SlowLinkNet is built; in it,
 for every codec:
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.slowlink import SlowLinkError, SlowLinkNet, available
+from bench.slowlink import DEFAULT_CONGESTION, SlowLinkError, SlowLinkNet, available
 from bench.uplink_trace import UplinkTrace, render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -210,13 +210,20 @@ def raw_tcp(net: SlowLinkNet, n: int, nbytes: int, pairs: int = 1) -> float:
     return max(times)
 
 
+def _host_congestion() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() + " (the host's)"
+    except OSError:
+        return "the host's default"
+
+
 def _drops(net: SlowLinkNet, n: int) -> int:
     return sum(net.qdisc_stats(i)["drops"] for i in range(n))
 
 
 def measure(n: int, rate: float, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    with SlowLinkNet(n, rate) as net:
+    with SlowLinkNet(n, rate, congestion=None if args.cc == "host" else args.cc) as net:
         for codec in args.codecs.split(","):
             trace = UplinkTrace(net, n) if args.trace else contextlib.nullcontext()
             with trace:
@@ -306,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
+        "--cc", default=DEFAULT_CONGESTION, help="TCP congestion control in every namespace, for peerd and raw TCP "
+        "alike (cubic, bbr, reno; host: this machine's default)"
+    )  # fmt: skip
+    ap.add_argument(
         "--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time (1/25 of shorter rounds)"
     )
     ap.add_argument(
@@ -334,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.wire needs network namespaces: {reason}", file=sys.stderr)
         return 2
     links = "plaintext" if args.plaintext else "TLS"
+    cc = _host_congestion() if args.cc == "host" else args.cc
     print(
-        f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {links}, medians of "
+        f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {links}, TCP {cc}, medians of "
         f"{args.repeats}; raw TCP = one connection per pair moving the same bytes both ways at once"
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
