@@ -35,11 +35,12 @@ Choice of tbf parameters (see :func:`tbf_params`):
 tbf counts whole Ethernet frames, so the best possible TCP payload rate is 1448/1514 (about 95.6 %) of the shaped
 rate with a 1500-byte MTU and TCP timestamps.
 
-Congestion control: every host namespace runs ``cubic`` (``congestion=``), whatever the machine's default, so that a
-figure does not change with the host it was measured on. cubic is the default of Linux, Windows and macOS, so it is
-what most volunteers' machines run. This machine's default is BBR (v1), and on these shallow tbf queues it behaves
-differently: peerd's 4-peer rounds at 20 Mbit/s (three flows out of every uplink) lost 10,000-15,000 packets per
-round with BBR against 150-400 with cubic, and took 6-13 % longer (BENCHMARKS.md, "The wire at the link's limit").
+Congestion control: a host namespace inherits the machine's default (``congestion=None``), or runs the one named
+(``congestion="cubic"``, bench.wire ``--cc``), for a figure that must not change with the machine it was measured
+on. This machine's default is BBR (v1); cubic is the default of Linux, Windows and macOS. On these tbf queues they
+differ cell by cell (BENCHMARKS.md, "The wire at the link's limit", stop 57): peerd's 4-peer rounds at 20 Mbit/s
+lost 10,000-15,000 packets per round with BBR against 150-400 with cubic and took 2-13 % longer, while raw TCP's one
+connection per pair at 2 peers and 20 Mbit/s, carrying both directions, reached only 0.70-0.88 of the link with cubic.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
-    "DEFAULT_CONGESTION",
     "SlowLinkError",
     "SlowLinkNet",
     "SlowLinkUnavailable",
@@ -85,7 +85,6 @@ _BURST_SECONDS = 0.004
 _QUEUE_SECONDS = 0.050
 _CMD_TIMEOUT = 20.0
 _CONGESTION = re.compile(r"^[a-z0-9_]{1,15}$")  # a kernel congestion-control name (TCP_CA_NAME_MAX is 16)
-DEFAULT_CONGESTION = "cubic"
 
 
 class SlowLinkUnavailable(RuntimeError):
@@ -326,7 +325,7 @@ class SlowLinkNet:
         *,
         subnet: str = "10.77.0.0/24",
         down_rate_mbit: float | list[float] | None = None,
-        congestion: str | None = DEFAULT_CONGESTION,
+        congestion: str | None = None,
     ) -> None:
         if congestion is not None and not (isinstance(congestion, str) and _CONGESTION.match(congestion)):
             raise ValueError(

@@ -1,7 +1,7 @@
 """The wire at the link's limit: a DiLoCo round's time on tbf-shaped links against raw TCP moving the same bytes.
 
     python -m bench.wire [--quick] [--params 10_000_000] [--peers 2,4] [--rates 20,100] [--codecs int8,int4,fp32]
-                         [--repeats 3] [--plaintext] [--raw-pairs] [--cc cubic] [--trace] [--json]
+                         [--repeats 3] [--plaintext] [--raw-pairs] [--cc host] [--trace] [--json]
 
 Needs root (network namespaces, see bench/slowlink.py). For every (peers, rate) one SlowLinkNet is built; in it,
 for every codec:
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.slowlink import DEFAULT_CONGESTION, SlowLinkError, SlowLinkNet, available
+from bench.slowlink import SlowLinkError, SlowLinkNet, available
 from bench.uplink_trace import UplinkTrace, render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -313,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
-        "--cc", default=DEFAULT_CONGESTION, help="TCP congestion control in every namespace, for peerd and raw TCP "
-        "alike (cubic, bbr, reno; host: this machine's default)"
+        "--cc", default="host", help="TCP congestion control in every namespace, for peerd and raw TCP alike "
+        "(cubic, bbr, reno; host, the default: this machine's own)"
     )  # fmt: skip
     ap.add_argument(
         "--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time (1/25 of shorter rounds)"
