@@ -10,10 +10,14 @@ for every codec:
    for one warm-up round plus --repeats rounds, with a pause (--gap, 1.5 s) between rounds so TCP starts each round
    from an idle connection, as DiLoCo's rounds (minutes of compute apart) do. A round's time runs from the last
    member's call (the others wait for it in rendezvous) to the last member's return, rendezvous included.
-2. Raw TCP in the same namespaces: every pair of peers opens one TCP connection and sends, in both directions at
-   once, the bytes one peer sent that other peer during the round (the median of the codec's wire bytes per peer,
-   split evenly over its n-1 partners), timed from "go" to the last byte received by anyone. --repeats times,
-   fresh connections each time (a fresh connection and an idle one both start in slow start).
+2. Raw TCP in the same namespaces, in two layouts, alternating: every pair of peers opens one TCP connection and
+   sends, in both directions at once, the bytes one peer sent that other peer during the round (the median of the
+   codec's wire bytes per peer, split evenly over its n-1 partners); and every ordered pair opens one connection
+   that carries those bytes one way only. Each is timed from "go" to the last byte received by anyone, --repeats
+   times, fresh connections each time (a fresh connection and an idle one both start in slow start), and the
+   faster layout's median is the baseline. With BBR the two are close; with cubic, one connection carrying both
+   directions reached only 0.70-0.88 of the link at 2 peers and 20 Mbit/s (its data queues behind the other
+   direction's in the same tbf queue, and its ACKs with it), against 0.93 one way.
 
 The figure of merit is raw_tcp_seconds / round_seconds: the round's goodput as a fraction of what plain TCP gets
 out of the same links for the same bytes. The physical limit: with one shaped uplink of R bit/s per peer (the
@@ -50,7 +54,9 @@ BENCH_NETWORK = {"gossip_interval": 0.3, "peer_timeout": 5.0, "rendezvous_timeou
 
 # One raw-TCP peer: listens, connects to every higher-index peer (one connection per pair; with argv[5] == "2", to
 # every other peer: two per pair, each side dialling, as peerd's rounds do), then on "go" sends argv[3] bytes on every
-# connection while reading as many, and reports the time to its last byte received.
+# connection while reading as many, and reports the time to its last byte received. With argv[5] == "0", one
+# connection per direction: it sends only on those it dialled and reads only from those it accepted, so no
+# connection's data queues behind the other direction's data in the same tbf queue (its ACKs still do).
 _RAW_PEER = r"""
 import json, socket, sys, threading, time
 idx, n, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -62,10 +68,10 @@ srv.listen(64)
 print("ready", flush=True)
 sys.stdin.readline()
 conns = []
-for j in range(0 if pairs == 2 else idx + 1, n):
+for j in range(idx + 1 if pairs == 1 else 0, n):
     if j != idx:
         conns.append(socket.create_connection((addrs[j], port), timeout=30))
-for _ in range(n - 1 if pairs == 2 else idx):
+for _ in range(idx if pairs == 1 else n - 1):
     c, _ = srv.accept()
     conns.append(c)
 print("connected", flush=True)
@@ -88,7 +94,10 @@ def recv(c, key):
             raise SystemExit("connection closed early")
         left -= k
     done[key] = time.perf_counter() - t0
-threads = [threading.Thread(target=f, args=a) for i, c in enumerate(conns) for f, a in ((send, (c,)), (recv, (c, i)))]
+outs = conns[: n - 1] if pairs == 0 else conns
+ins = conns[n - 1 :] if pairs == 0 else conns
+jobs = [(send, (c,)) for c in outs] + [(recv, (c, i)) for i, c in enumerate(ins)]
+threads = [threading.Thread(target=f, args=a) for f, a in jobs]
 for t in threads:
     t.start()
 for t in threads:
@@ -183,10 +192,11 @@ def run_rounds(net: SlowLinkNet, n: int, codec: str, args: argparse.Namespace, w
 
 def raw_tcp(net: SlowLinkNet, n: int, nbytes: int, pairs: int = 1) -> float:
     """Seconds for every pair to move `nbytes` each way over one fresh TCP connection, all pairs at once. With
-    `pairs=2`, over two (each side dials the other, and each connection carries half the bytes both ways)."""
+    `pairs=2`, over two (each side dials the other, and each connection carries half the bytes both ways); with
+    `pairs=0`, over one per direction (each carries `nbytes` one way)."""
     py = [sys.executable, "-I", "-S", "-c", _RAW_PEER]
     addrs = [net.address(i) for i in range(n)]
-    each = nbytes // pairs
+    each = nbytes // max(pairs, 1)
     procs = [
         net.popen(i, [*py, str(i), str(n), str(each), str(RAW_PORT), str(pairs), *addrs],
                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -246,13 +256,14 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
     reduce = statistics.median(max(r[k]["reduce"] for r in results) for k in rounds)
     sent = int(statistics.median(r[k]["sent"] for r in results for k in rounds))
     per_pair = sent // (n - 1)
-    kinds = (1, 2) if args.raw_pairs else (1,)
+    kinds = (1, 0, *((2,) if args.raw_pairs else ()))  # 0: one connection per direction
     runs, raw_windows = [], []
     for _ in range(args.repeats):
         runs.append([raw_tcp(net, n, per_pair, p) for p in kinds[:1]])
         raw_windows.append((time.time() - runs[-1][0], time.time()))  # ~ from "go" to the peers' exit
         runs[-1] += [raw_tcp(net, n, per_pair, p) for p in kinds[1:]]
-    raw = statistics.median(r[0] for r in runs)
+    raw_pair, raw_oneway = (statistics.median(r[k] for r in runs) for k in (0, 1))
+    raw = min(raw_pair, raw_oneway)  # the faster layout: what plain TCP gets out of these links
     d2 = _drops(net, n)
     limit = sent * 8 / (rate * 1e6)  # this peer's uplink busy the whole time
     row = {
@@ -260,12 +271,13 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
         "round_s": wall, "reduce_s": reduce, "raw_tcp_s": raw, "link_limit_s": limit,
         "round_vs_raw": raw / wall, "reduce_vs_raw": raw / reduce, "round_vs_rate": limit / wall,
         "raw_vs_rate": limit / raw, "tbf_drops_per_round": (d1 - d0) / (args.repeats + 1),
-        "tbf_drops_per_raw_run": (d2 - d1) / args.repeats,
+        "tbf_drops_per_raw_run": (d2 - d1) / (args.repeats * len(kinds)),
     }  # fmt: skip
     row["part_kib"] = statistics.median(r[k].get("part_bytes", 0) for r in results for k in rounds) / 1024
     row["cpu_s_per_peer"] = statistics.median(r[k]["cpu"] for r in results for k in rounds)
-    if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the one-connection runs
-        row["raw_tcp_2conn_s"] = statistics.median(r[1] for r in runs)
+    row["raw_tcp_pair_s"], row["raw_tcp_oneway_s"] = raw_pair, raw_oneway
+    if args.raw_pairs:  # raw TCP over two connections per pair, alternating with the other layouts
+        row["raw_tcp_2conn_s"] = statistics.median(r[2] for r in runs)
     # for --trace: every measured round's [start, end] and every one-connection raw run's
     row["_windows"] = [(max(r[k]["start"] for r in results), max(r[k]["end"] for r in results)) for k in rounds]
     row["_raw_windows"] = raw_windows
@@ -279,9 +291,14 @@ def _measure_codec(net: SlowLinkNet, n: int, rate: float, codec: str, args: argp
     if args.raw_pairs:
         print(
             f"      raw TCP over two connections per pair: {row['raw_tcp_2conn_s']:.2f} s "
-            f"(one connection per pair / two: {raw / row['raw_tcp_2conn_s']:.3f})",
+            f"(one connection per pair / two: {raw_pair / row['raw_tcp_2conn_s']:.3f})",
             flush=True,
         )
+    print(
+        f"      raw TCP: one connection per pair {raw_pair:.2f} s (round/raw {raw_pair / wall:.3f}), one per direction "
+        f"{raw_oneway:.2f} s ({raw_oneway / wall:.3f})",
+        flush=True,
+    )
     return row
 
 
@@ -321,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--raw-pairs", action="store_true", help="also time raw TCP over two connections per pair (six flows per "
-        "uplink at 4 peers, as peerd's rounds use), to see whether the connection count costs goodput (drops/t then "
-        "counts both kinds of raw run)"
+        "uplink at 4 peers, as peerd's rounds use), to see whether the connection count costs goodput (drops/t is "
+        "then per raw run of every layout)"
     )  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -348,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     cc = _host_congestion() if args.cc == "host" else args.cc
     print(
         f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {links}, TCP {cc}, medians of "
-        f"{args.repeats}; raw TCP = one connection per pair moving the same bytes both ways at once"
+        f"{args.repeats}; raw TCP = the faster of one connection per pair (both ways at once) and one per direction, "
+        "moving the same bytes"
     )
     print(f"{'peers':>5} {'Mbit/s':>6} {'codec':>6} {'MB/peer':>9} {'round s':>8} {'reduce s':>8} {'raw s':>7} "
           f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8} {'drops/r':>7} "
