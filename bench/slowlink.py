@@ -39,8 +39,8 @@ Congestion control: a host namespace inherits the machine's default (``congestio
 (``congestion="cubic"``, bench.wire ``--cc``), for a figure that must not change with the machine it was measured
 on. This machine's default is BBR (v1); cubic is the default of Linux, Windows and macOS. On these tbf queues they
 differ cell by cell (BENCHMARKS.md, "The wire at the link's limit", stop 57): peerd's 4-peer rounds at 20 Mbit/s
-lost 10,000-15,000 packets per round with BBR against 150-400 with cubic and took 2-13 % longer, while raw TCP's one
-connection per pair at 2 peers and 20 Mbit/s, carrying both directions, reached only 0.70-0.88 of the link with cubic.
+lost 8,000-15,000 packets per round with BBR against 150-400 with cubic and took 2-13 % longer, while raw TCP's one
+connection per pair at 2 peers and 20 Mbit/s, carrying both directions, reached only 0.64-0.88 of the link with cubic.
 """
 
 from __future__ import annotations

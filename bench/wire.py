@@ -16,8 +16,8 @@ for every codec:
    that carries those bytes one way only. Each is timed from "go" to the last byte received by anyone, --repeats
    times, fresh connections each time (a fresh connection and an idle one both start in slow start), and the
    faster layout's median is the baseline. With BBR the two are close; with cubic, one connection carrying both
-   directions reached only 0.70-0.88 of the link at 2 peers and 20 Mbit/s (its data queues behind the other
-   direction's in the same tbf queue, and its ACKs with it), against 0.93 one way.
+   directions reached only 0.64-0.88 of the link at 2 peers and 20 Mbit/s (its data queues behind the other
+   direction's in the same tbf queue, and its ACKs with it), against 0.88-0.93 one way.
 
 The figure of merit is raw_tcp_seconds / round_seconds: the round's goodput as a fraction of what plain TCP gets
 out of the same links for the same bytes. The physical limit: with one shaped uplink of R bit/s per peer (the
