@@ -1,7 +1,7 @@
 """Scale benchmark: N real daemons on this machine, with a vector-sized model and no real training, so what is measured
 is the swarm's own cost as N grows (issue 15).
 
-    python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--json]
+    python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1] [--json]
 
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
@@ -68,7 +68,7 @@ def _ts(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _config(tmp: Path, params: int, gossip_entries: int) -> Path:
+def _config(tmp: Path, params: int, gossip_entries: int, inner_steps: int = 1) -> Path:
     from tests.swarm import tiny_config
 
     return tiny_config(
@@ -79,7 +79,7 @@ def _config(tmp: Path, params: int, gossip_entries: int) -> Path:
         data__factory="bench.scale_model:make_data",
         data__batch_size=1,
         data__eval_batches=1,
-        inner__steps=1,
+        inner__steps=inner_steps,
         inner__warmup_steps=1,
         # A restarted peer re-warms its fresh AdamW moments over the product default (inner.warmup_steps = 20), not
         # over this bench's 1-step warmup: a full-lr first step is 10x the converged vector model's and trips the
@@ -116,7 +116,14 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 
 def run_size(
-    n: int, seconds: float, churn: float, params: int, gossip_entries: int, seed: int, keep: bool = False
+    n: int,
+    seconds: float,
+    churn: float,
+    params: int,
+    gossip_entries: int,
+    seed: int,
+    keep: bool = False,
+    inner_steps: int = 1,
 ) -> dict[str, Any]:
     from tests.swarm import Swarm
 
@@ -126,7 +133,7 @@ def run_size(
     kept = tempfile.mkdtemp(prefix=f"peerd-scale{n}-") if keep else None  # the peers' logs, for a post-mortem
     with contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
         tmp = Path(tmpdir)
-        cfg = _config(tmp, params, gossip_entries)
+        cfg = _config(tmp, params, gossip_entries, inner_steps)
         swarm = Swarm(tmp, n, cfg, metrics=True, wait_peers=True)  # --wait-peers N: all start together
         with swarm:
             swarm.wait_until(lambda: all(p.proc.poll() is None for p in swarm.peers), 30, "peers up")
@@ -394,13 +401,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--churn", type=float, default=0.0, help="kill -9 and restart one peer every this many seconds")
     ap.add_argument("--params", type=int, default=1 << 20, help="parameters of the vector model")
     ap.add_argument("--gossip-entries", type=int, default=8, help="network.gossip_entries")
+    ap.add_argument(
+        "--inner-steps", type=int, default=1, help="AdamW steps per outer step: 1 keeps compute out of the figures, "
+        "more makes the payload a sum of steps, as a real run's is (python -m bench.zstd_averages --inner-steps)"
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every peer's data dir and log (the path is printed)")
     args = ap.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
-        row = run_size(n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep)
+        row = run_size(
+            n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps
+        )
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)

@@ -2,13 +2,20 @@
 average of many peers' updates has more distinct values than an average of two, so zstd shrinks it less. This
 separates that from the cost of cutting the vector into n smaller frames.
 
-    python -m bench.zstd_averages [--params 262144] [--peers 2,8,64]
+    python -m bench.zstd_averages [--params 262144] [--peers 2,8,64] [--inner-steps 1,20]
 
 Each peer's update is a one-step Adam-like move of bench.scale_model's vector (lr times the sign of its gradient, plus
 weight decay), as bench.scale's peers sent before its model's targets got per-coordinate noise (a minibatch
 gradient's noise, which makes every update's values distinct, as a real model's are). Printed per n: the wire size,
 as a share of fp32, of one peer's own update and of the n-peer average, each cut into n frames (what a round sends)
 and into 2 frames (the 2-peer cut).
+
+With --inner-steps, a second table trains the payloads instead: each of n peers runs H AdamW steps of
+bench.scale_model's noisy vector model from the shared global for 3 outer steps, and sends its pseudo-gradient, as
+bench.scale's daemons do with H = 1. It prints the round bytes per peer that the shares predict at n peers (n-1 of n
+frames of the own update out, as many of the average back) against 2 peers, on the wire. A one-step update is
+lr * sign(grad) plus decay, so a mean of two has far fewer distinct values than a mean of 64; after H steps both are
+sums of many steps, and the ratio nears 2 (n-1)/n / 1.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 
 import torch
 
+from bench.scale_model import Indices, Vector
 from peerd.codecs import make_codec
 
 LR, DECAY = 3e-3, 0.1
@@ -35,10 +43,50 @@ def wire_share(v: torch.Tensor, frames: int) -> float:
     return sum(len(codec.encode(v[i * step : (i + 1) * step])) for i in range(frames)) / (4 * v.numel())
 
 
+def trained_updates(params: int, n: int, steps: int, outer: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peer 0's pseudo-gradient and the n-peer mean after `outer` DiLoCo steps of `steps` AdamW steps each (inner lr
+    and weight decay as the product's defaults, outer SGD at lr 0.7), each peer drawing its own batches."""
+    torch.manual_seed(0)
+    glob = Vector(params, 0).weight.detach().clone()
+    models = [Vector(params, 0) for _ in range(n)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in models]
+    data, gens = Indices(8), [torch.Generator().manual_seed(100 + k) for k in range(n)]
+    for _ in range(outer):
+        deltas = []
+        for k, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            with torch.no_grad():
+                model.weight.copy_(glob)
+            for _ in range(steps):
+                x, y = data.batch(1, shard=k, num_shards=n, generator=gens[k])
+                _, loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            deltas.append(glob - model.weight.detach())
+        avg = torch.stack(deltas).mean(0)
+        glob = glob - 0.7 * avg
+    return deltas[0], avg
+
+
+def _trained_table(params: int, peers: list[int], steps: list[int]) -> None:
+    print()
+    print("| inner steps | peers | own update, n frames | average, n frames | round bytes per peer vs 2 peers |")
+    print("|---|---|---|---|---|")
+    for h in steps:
+        base = None
+        for n in sorted(set(peers) | {2}):
+            own, avg = trained_updates(params, n, h)
+            o, a = wire_share(own, n), wire_share(avg, n)
+            per_peer = (n - 1) / n * (o + a)  # shares of the vector: its n-1 frames out, as many averaged ones back
+            base = per_peer if n == 2 else base
+            print(f"| {h} | {n} | {100 * o:.1f}% | {100 * a:.1f}% | {per_peer / base:.3f}x |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.zstd_averages", description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=int, default=1 << 18)
     ap.add_argument("--peers", default="2,8,64")
+    ap.add_argument("--inner-steps", default="", help="comma-separated H: also train the payloads (e.g. 1,20)")
     args = ap.parse_args(argv)
     print("| peers | own update, n frames | own update, 2 frames | average, n frames | average, 2 frames |")
     print("|---|---|---|---|---|")
@@ -47,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         avg = torch.stack(ups).mean(0)
         cells = [wire_share(ups[0], n), wire_share(ups[0], 2), wire_share(avg, n), wire_share(avg, 2)]
         print(f"| {n} | " + " | ".join(f"{100 * c:.1f}%" for c in cells) + " |")
+    if args.inner_steps:
+        peers = [int(x) for x in args.peers.split(",")]
+        _trained_table(args.params, peers, [int(x) for x in args.inner_steps.split(",")])
 
 
 if __name__ == "__main__":
