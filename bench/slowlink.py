@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -69,6 +70,7 @@ __all__ = [
     "SlowLinkNet",
     "SlowLinkUnavailable",
     "available",
+    "host_congestion",
     "remove_stale_namespaces",
     "tbf_params",
 ]
@@ -85,6 +87,7 @@ _BURST_SECONDS = 0.004
 _QUEUE_SECONDS = 0.050
 _CMD_TIMEOUT = 20.0
 _CONGESTION = re.compile(r"^[a-z0-9_]{1,15}$")  # a kernel congestion-control name (TCP_CA_NAME_MAX is 16)
+_CC_SYSCTL = "net.ipv4.tcp_congestion_control"
 
 
 class SlowLinkUnavailable(RuntimeError):
@@ -123,6 +126,15 @@ def _exec(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedPro
 def _unique_tag() -> str:
     """pid plus random bits: two runs (or two nets in one run) never pick the same namespace names."""
     return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def host_congestion() -> str | None:
+    """The machine's default TCP congestion control, which a namespace made with ``congestion=None`` inherits; None
+    where /proc does not say."""
+    try:
+        return Path("/proc/sys", *_CC_SYSCTL.split(".")).read_text().strip()
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -431,11 +443,11 @@ class SlowLinkNet:
         """Give ``ns`` its own TCP congestion control (a per-namespace sysctl); None keeps the one it inherited."""
         if self._congestion is None:
             return
-        key = "net.ipv4.tcp_congestion_control"
-        done = _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self._congestion}"], check=False)
+        setting = f"{_CC_SYSCTL}={self._congestion}"
+        done = _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", setting], check=False)
         if done.returncode != 0:
             raise SlowLinkError(
-                f"cannot set {key}={self._congestion} in a namespace ({done.stderr.strip()}); pick one of "
+                f"cannot set {setting} in a namespace ({done.stderr.strip()}); pick one of "
                 "net.ipv4.tcp_available_congestion_control, or load its module (modprobe tcp_<name>)"
             )
 
@@ -477,7 +489,7 @@ class SlowLinkNet:
     def congestion(self, i: int) -> str:
         """The TCP congestion control host ``i``'s connections use, as its namespace reports it."""
         self._require_up()
-        done = _exec([self._ip, "netns", "exec", self.netns(i), "sysctl", "-n", "net.ipv4.tcp_congestion_control"])
+        done = _exec([self._ip, "netns", "exec", self.netns(i), "sysctl", "-n", _CC_SYSCTL])
         return done.stdout.strip()
 
     def namespaces(self) -> list[str]:

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.slowlink import SlowLinkError, SlowLinkNet, available
+from bench.slowlink import SlowLinkError, SlowLinkNet, available, host_congestion
 from bench.uplink_trace import UplinkTrace, render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,13 +220,6 @@ def raw_tcp(net: SlowLinkNet, n: int, nbytes: int, pairs: int = 1) -> float:
     return max(times)
 
 
-def _host_congestion() -> str:
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() + " (the host's)"
-    except OSError:
-        return "the host's default"
-
-
 def _drops(net: SlowLinkNet, n: int) -> int:
     return sum(net.qdisc_stats(i)["drops"] for i in range(n))
 
@@ -362,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.wire needs network namespaces: {reason}", file=sys.stderr)
         return 2
     links = "plaintext" if args.plaintext else "TLS"
-    cc = _host_congestion() if args.cc == "host" else args.cc
+    cc = f"{host_congestion() or 'default'} (the host's)" if args.cc == "host" else args.cc
     print(
         f"DiLoCo round of {args.params / 1e6:g}M fp32 values on tbf-shaped uplinks, {links}, TCP {cc}, medians of "
         f"{args.repeats}; raw TCP = the faster of one connection per pair (both ways at once) and one per direction, "

@@ -26,6 +26,7 @@ import torch
 
 from bench.scale_model import Indices, Vector
 from peerd.codecs import make_codec
+from peerd.config import InnerSection, OuterSection
 
 LR, DECAY = 3e-3, 0.1
 
@@ -44,12 +45,14 @@ def wire_share(v: torch.Tensor, frames: int) -> float:
 
 
 def trained_updates(params: int, n: int, steps: int, outer: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Peer 0's pseudo-gradient and the n-peer mean after `outer` DiLoCo steps of `steps` AdamW steps each (inner lr
-    and weight decay as the product's defaults, outer SGD at lr 0.7), each peer drawing its own batches."""
+    """Peer 0's pseudo-gradient and the n-peer mean after `outer` DiLoCo steps of `steps` AdamW steps each (the
+    product's default inner lr and weight decay; outer SGD at the default outer lr, without momentum), each peer
+    drawing its own batches."""
     torch.manual_seed(0)
     glob = Vector(params, 0).weight.detach().clone()
     models = [Vector(params, 0) for _ in range(n)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in models]
+    inner = InnerSection()
+    opts = [torch.optim.AdamW(m.parameters(), lr=inner.lr, weight_decay=inner.weight_decay) for m in models]
     data, gens = Indices(8), [torch.Generator().manual_seed(100 + k) for k in range(n)]
     for _ in range(outer):
         deltas = []
@@ -64,7 +67,7 @@ def trained_updates(params: int, n: int, steps: int, outer: int = 3) -> tuple[to
                 opt.step()
             deltas.append(glob - model.weight.detach())
         avg = torch.stack(deltas).mean(0)
-        glob = glob - 0.7 * avg
+        glob = glob - OuterSection().lr * avg
     return deltas[0], avg
 
 
