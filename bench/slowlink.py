@@ -70,6 +70,7 @@ __all__ = [
     "SlowLinkNet",
     "SlowLinkUnavailable",
     "available",
+    "check_congestion",
     "host_congestion",
     "remove_stale_namespaces",
     "tbf_params",
@@ -126,6 +127,14 @@ def _exec(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedPro
 def _unique_tag() -> str:
     """pid plus random bits: two runs (or two nets in one run) never pick the same namespace names."""
     return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def check_congestion(name: object) -> str:
+    """``name`` if it can be a kernel congestion-control name (cubic, bbr, reno...); ValueError otherwise, before any
+    of it reaches a sysctl command line."""
+    if not (isinstance(name, str) and _CONGESTION.match(name)):
+        raise ValueError(f"congestion must be a kernel congestion-control name such as cubic or bbr, got {name!r}")
+    return name
 
 
 def host_congestion() -> str | None:
@@ -339,10 +348,8 @@ class SlowLinkNet:
         down_rate_mbit: float | list[float] | None = None,
         congestion: str | None = None,
     ) -> None:
-        if congestion is not None and not (isinstance(congestion, str) and _CONGESTION.match(congestion)):
-            raise ValueError(
-                f"congestion must be a kernel congestion-control name such as cubic or bbr, got {congestion!r}"
-            )
+        if congestion is not None:
+            check_congestion(congestion)
         if isinstance(n_hosts, bool) or not isinstance(n_hosts, int):
             raise ValueError(f"n_hosts must be an int, got {type(n_hosts).__name__}")
         if not 1 <= n_hosts <= _MAX_HOSTS:

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.slowlink import SlowLinkError, SlowLinkNet, available, host_congestion
+from bench.slowlink import SlowLinkError, SlowLinkNet, available, check_congestion, host_congestion
 from bench.uplink_trace import UplinkTrace, render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,6 +220,14 @@ def raw_tcp(net: SlowLinkNet, n: int, nbytes: int, pairs: int = 1) -> float:
     return max(times)
 
 
+def _cc_arg(value: str) -> str:
+    """--cc: "host" or a congestion-control name; argparse turns the ValueError into one usage line."""
+    try:
+        return value if value == "host" else check_congestion(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _drops(net: SlowLinkNet, n: int) -> int:
     return sum(net.qdisc_stats(i)["drops"] for i in range(n))
 
@@ -323,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one swarm may take")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
-        "--cc", default="host", help="TCP congestion control in every namespace, for peerd and raw TCP alike "
-        "(cubic, bbr, reno; host, the default: this machine's own)"
+        "--cc", default="host", type=_cc_arg, help="TCP congestion control in every namespace, for peerd and raw TCP "
+        "alike (cubic, bbr, reno; host, the default: this machine's own)"
     )  # fmt: skip
     ap.add_argument(
         "--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time (1/25 of shorter rounds)"
@@ -365,9 +373,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{'round/raw':>9} {'reduce/raw':>10} {'round/lim':>9} {'raw/lim':>8} {'drops/r':>7} "
           f"{'drops/t':>7} {'part':>5} {'CPU s':>6}")  # fmt: skip
     rows = []
-    for n in (int(x) for x in args.peers.split(",")):
-        for rate in (float(x) for x in args.rates.split(",")):
-            rows += measure(n, rate, args)
+    try:
+        for n in (int(x) for x in args.peers.split(",")):
+            for rate in (float(x) for x in args.rates.split(",")):
+                rows += measure(n, rate, args)
+    except SlowLinkError as exc:  # a net that cannot be built as asked (an unknown --cc, a missing tool): one line
+        print(f"bench.wire: {exc}", file=sys.stderr)
+        return 2
     print("round/raw: raw-TCP seconds over round seconds (goodput as a fraction of raw TCP's); lim: the uplink's")
     print("time for the bytes at the shaped rate (TCP/IP headers alone cap raw/lim at ~0.956); drops: tbf drops on all")
     print("uplinks per round (r) and per raw-TCP run (t); part: the rounds' part size in KiB (the leader's pick);")
