@@ -54,8 +54,8 @@ from peerd.envelope import Verifier
 from peerd.identity import Identity
 from peerd.layout import PART_BYTES, mask_members, part_bounds, part_elems, shard_bounds
 from peerd.robust import ContributionGuard
-from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
 from peerd.roundtypes import (
+    REFUSED_REASONS,
     ContributionRefused,
     OwnerLost,
     StreamLate,
@@ -67,6 +67,7 @@ from peerd.roundtypes import (
     shared,
     sum_of_squares,
 )
+from peerd.roundtypes import SUSPECTS_KEY as SUSPECTS_KEY
 from peerd.roundtypes import RoundFailed as RoundFailed
 from peerd.roundtypes import RoundStats as RoundStats
 from peerd.roundtypes import relayed_suspects as relayed_suspects
@@ -181,6 +182,7 @@ class ReduceRound(Takeover):
         self._probed_gone: set[str] = set()
         self._done = False  # completed here (finished()): we linger only to serve and relay what we hold
         self._failed: BaseException | None = None
+        self.refused: dict[str, str] = {}  # member -> why our own checks refused its data in this round
         self._aborted: BaseException | None = None  # failed for every member: what we reduce ended too
         self._attempts: dict[int, tuple[str, asyncio.Future]] = {}  # shard -> (owner asked, the exchange)
         self._sent: set[tuple[int, str]] = set()  # (shard, owner) whose every part we handed to grpc
@@ -211,6 +213,9 @@ class ReduceRound(Takeover):
         if kind == "pull":  # a fallback owner asks for the shard's average: what we hold of it, or nothing
             if sender not in self.ids or not 0 <= shard < self.n_shards:
                 raise StreamError("not_member", f"{sender[:8]} asked for shard {shard} of a round it is not in")
+            why = self.refused.get(sender)
+            if why is not None:  # our checks refused its data: it learns so (Takeover.refused_by) and sits out
+                raise RoundFailed(f"this peer's round failed on {sender[:8]}'s data: {self._failed}", {sender}, why)
             held = self.held.get(shard)
             if held is None and self._failed is not None:
                 # Our round failed here: we are retrying and will never contribute to that fallback, which must
@@ -269,6 +274,8 @@ class ReduceRound(Takeover):
     def abort(self, exc: BaseException) -> None:
         self._failed = self._failed or exc
         self._aborted = self._aborted or exc
+        if isinstance(exc, RoundFailed) and exc.reason in REFUSED_REASONS:  # our own checks: kept for pulls
+            self.refused.update(dict.fromkeys(exc.suspects - self.refused.keys(), exc.reason))
         for owner in list(self.owned.values()):
             owner.abort(exc)
 
@@ -531,6 +538,8 @@ class ReduceRound(Takeover):
                 if refused and not self._poisoning:  # an injected poisoner plays an attacker: it retries
                     raise ContributionRefused(f"{pid[:8]} refused our contribution: {exc.details()}") from exc
                 raise RoundFailed(f"{pid[:8]} aborted the round: {exc.details()}", named) from exc
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and faults.REFUSAL_LOOKS_LOST:
+                raise OwnerLost(f"fault injection: {pid[:8]} ended the stream while we were sending") from exc
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and refused_stream(exc.trailing_metadata()):
                 # The owner's checks refused the data we sent it (and aborted its round naming us): blaming it as
                 # lost made the sender of a corrupt part avoid that leader and retry with the others, who were

@@ -252,6 +252,12 @@ OWNER_LOOKS_LOST_ENV = "PEERD_FAULT_SHARD0_OWNER_LOOKS_LOST_IN_ROUND"
 owner_looks_lost = _FromRound(OWNER_LOOKS_LOST_ENV, "shard 0's owner looks lost to this member", only=True)
 
 
+# An owner's refusal of our contribution reaches this member as the owner's stream ending while we still wrote
+# (grpc then reports its own failed write, INTERNAL, not the owner's INVALID_ARGUMENT): a race that the refusal of a
+# corrupt later part wins now and then. The member takes the owner for lost (peerd/allreduce.py).
+REFUSAL_LOOKS_LOST = _env("PEERD_FAULT_REFUSAL_LOOKS_LOST") == "1"
+
+
 # A starved process: this peer's event loop blocks for this many seconds once, as its first round begins (after the
 # rendezvous, before it registers the round). Meanwhile its gRPC server picks up no new call: the members' Reduce
 # streams to it queue inside gRPC, as they do on a daemon whose loop gets too little CPU (64 peers on 2 cores).

@@ -463,7 +463,12 @@ class RoundClient:
                     # Every other member looked lost: owners that abort a round end our streams as dead ones do, and
                     # we fell back to reducing every shard ourselves. A round of us alone is a fork for this step
                     # while the others retry together (seen in CI): fail it and retry with them. Peers that really
-                    # died leave a rendezvous of one, the honest solo step.
+                    # died leave a rendezvous of one, the honest solo step. Members that say their checks refused
+                    # our data mean the owners we took for lost refused it too: we sit the step out.
+                    refused_by = await rnd.refused_by()
+                    if refused_by:
+                        names = sorted(p[:8] for p in refused_by)
+                        raise ContributionRefused(f"{names} failed their round on our contribution")
                     raise RoundFailed(f"every other member left the round ({len(result.lost)} lost)", set(), "aborted")
             except RoundFailed as exc:
                 watch.cancel()

@@ -22,7 +22,7 @@ import torch
 from peerd.codecs import Codec
 from peerd.envelope import Verifier
 from peerd.identity import Identity
-from peerd.roundtypes import RoundFailed
+from peerd.roundtypes import RoundFailed, refuses
 from peerd.shard_owner import RoundContext, ShardOwner
 from peerd.shard_relay import HeldShard, pull_request, pull_until_reduced, read_relay, relay_stream
 from peerd.streams import StreamError
@@ -73,6 +73,8 @@ class Takeover:
     _verifier: Verifier | None
     _done: bool
     _failed: BaseException | None
+    me: int
+    _poisoning: bool
     _aborted: BaseException | None
 
     def member_left(self, peer_id: str) -> None:
@@ -230,6 +232,33 @@ class Takeover:
             return None
         finally:
             call.cancel()
+
+    async def refused_by(self, timeout: float = PROBE_TIMEOUT_S) -> list[str]:
+        """The members we lost whose own checks refused our contribution, by their word: each is asked, as a PULL,
+        and one whose round failed on our data answers ABORTED naming us (allreduce.ReduceRound.serve). An owner's
+        refusal can reach us as its stream ending while we still wrote (grpc then reports its own failed write, not
+        the owner's status): we took every owner for lost and completed a round of ourselves alone (CI stop 57). A
+        member that died answers nothing, and we retry as before."""
+        others = [p for p in self.lost | self.left if p != self.identity.peer_id]
+        if self._stub_for is None or self._poisoning or not others:  # an injected poisoner plays an attacker: retry
+            return []
+        shard = max(self.me, 0)
+        stub_for = self._stub_for
+
+        async def ask(pid: str) -> bool:
+            _, call = self._pull_call(stub_for, shard, pid, timeout)
+            try:
+                async for _ in call:  # type: ignore[attr-defined]
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                said = exc.trailing_metadata() if exc.code() == grpc.StatusCode.ABORTED else None
+                return refuses(said, self.identity.peer_id, set(self.ids) - {pid})
+            finally:
+                call.cancel()  # type: ignore[attr-defined]
+            return False
+
+        answers = await asyncio.gather(*(ask(p) for p in others), return_exceptions=True)
+        return [p for p, said in zip(others, answers, strict=True) if said is True]
 
     def _pull_call(self, stub_for: StubFor, shard: int, pid: str, timeout: float) -> tuple[pb.PeerInfo, object]:
         """A PULL for `shard` addressed to `pid`'s process in this round: the member, and the open call."""
