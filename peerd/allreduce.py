@@ -213,9 +213,7 @@ class ReduceRound(Takeover):
         if kind == "pull":  # a fallback owner asks for the shard's average: what we hold of it, or nothing
             if sender not in self.ids or not 0 <= shard < self.n_shards:
                 raise StreamError("not_member", f"{sender[:8]} asked for shard {shard} of a round it is not in")
-            why = self.refused.get(sender)
-            if why is not None:  # our checks refused its data: it learns so (Takeover.refused_by) and sits out
-                raise RoundFailed(f"this peer's round failed on {sender[:8]}'s data: {self._failed}", {sender}, why)
+            self.say_if_refused(sender)
             held = self.held.get(shard)
             if held is None and self._failed is not None:
                 # Our round failed here: we are retrying and will never contribute to that fallback, which must

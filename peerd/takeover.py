@@ -73,6 +73,7 @@ class Takeover:
     _verifier: Verifier | None
     _done: bool
     _failed: BaseException | None
+    refused: dict[str, str]  # member -> why our own checks refused its data in this round (ReduceRound.abort)
     me: int
     _poisoning: bool
     _aborted: BaseException | None
@@ -128,6 +129,7 @@ class Takeover:
         # A round aborted here failed everyone's (bad data, the deadline): nothing to take over. One that failed only
         # here (self._failed alone) keeps serving what we reduce, a lost owner's shard too: refusing it failed the
         # round of every member sent to us, and they refused in turn (seen at 64 peers under churn).
+        self.say_if_refused(sender)
         if self._aborted is not None:
             raise RoundFailed(f"this peer's round failed: {self._aborted}", set(), "aborted")
         # The asker's word stands for the owner itself; for the owners between it and us, our own evidence: this
@@ -232,6 +234,13 @@ class Takeover:
             return None
         finally:
             call.cancel()
+
+    def say_if_refused(self, sender: str) -> None:
+        """Answer a member whose data our own checks refused in this round with a failure naming it, as the owner
+        that refused it did: it sits the step out instead of reducing the shards itself (see `refused_by`)."""
+        why = self.refused.get(sender)
+        if why is not None:
+            raise RoundFailed(f"this peer's round failed on {sender[:8]}'s data: {self._failed}", {sender}, why)
 
     async def refused_by(self, timeout: float = PROBE_TIMEOUT_S) -> list[str]:
         """The members we lost whose own checks refused our contribution, by their word: each is asked, as a PULL,
