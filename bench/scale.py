@@ -1,7 +1,8 @@
 """Scale benchmark: N real daemons on this machine, with a vector-sized model and no real training, so what is measured
 is the swarm's own cost as N grows (issue 15).
 
-    python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1] [--json]
+    python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1]
+                          [--until-step N] [--json]
 
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
@@ -24,6 +25,10 @@ Per swarm size, over a measurement window that starts once every peer is up:
   are counted as silent. Only observers whose own process ran from the kill until they spoke count: with one kill per
   10 s and restarts that take minutes at 64 peers, a tenth or more of the peers are dead or restarting at any time.
   With --keep, kills.json lists the kills.
+
+With --until-step N the window also closes once the bootstrap peer has logged outer step N, so that every size's
+round bytes cover the same outer steps: a 2-peer swarm runs hundreds of rounds in a 45 s window and a 64-peer one a
+few, and the early steps' payloads are the larger (BENCHMARKS.md, "Scale").
 
 Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
 times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
@@ -124,6 +129,7 @@ def run_size(
     seed: int,
     keep: bool = False,
     inner_steps: int = 1,
+    until_step: int = 0,
 ) -> dict[str, Any]:
     from tests.swarm import Swarm
 
@@ -147,7 +153,9 @@ def run_size(
             kills: list[tuple[float, str]] = []
             started = dict.fromkeys(range(n), 1)  # processes started per peer (its log holds every one's lines)
             while time.time() - t0 < seconds:
-                time.sleep(min(churn or seconds, max(0.0, seconds - (time.time() - t0))))
+                if until_step and last_step(swarm.peers[0].log()) >= until_step:
+                    break
+                time.sleep(min(churn or (0.2 if until_step else seconds), max(0.0, seconds - (time.time() - t0))))
                 # the victim is a member of the swarm: not a process still starting after its own last kill (at 64
                 # peers restarts took 2-4 minutes here, and 28 of 154 kills in one run hit such a process, which the
                 # swarm had not seen yet and which then took longer still to start)
@@ -170,6 +178,11 @@ def run_size(
             row["kept"] = kept
             Path(kept, "kills.json").write_text(json.dumps(kills))  # (time, peer id): for a post-mortem
         return row
+
+
+def last_step(log: str) -> int:
+    """The highest outer step a peer's log says it completed (-1: none yet)."""
+    return max((int(m.group(2)) for m in LINE.finditer(log)), default=-1)
 
 
 def _peer_id(log: str) -> str:
@@ -242,6 +255,7 @@ def _report(
         "window_s": round(window, 1),
         "record_peer": record,
         "rounds": rounds,
+        "steps": [steps[0][1], steps[-1][1]] if steps else None,  # the first and last outer step in the window
         "round_s": round(statistics.median(gaps), 2) if gaps else None,
         "full_share": round(sum(1 for s in steps if s[2] == s[3]) / rounds, 3) if rounds else None,
         "failed_attempts": failed,
@@ -405,6 +419,10 @@ def main(argv: list[str] | None = None) -> None:
         "--inner-steps", type=int, default=1, help="AdamW steps per outer step: 1 keeps compute out of the figures, "
         "more makes the payload a sum of steps, as a real run's is (python -m bench.zstd_averages --inner-steps)"
     )  # fmt: skip
+    ap.add_argument(
+        "--until-step", type=int, default=0, help="also close the window once the bootstrap peer logged this outer "
+        "step: every size's round bytes then cover the same steps"
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every peer's data dir and log (the path is printed)")
@@ -412,14 +430,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
         row = run_size(
-            n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps
-        )
+            n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps,
+            args.until_step,
+        )  # fmt: skip
         rows.append(row)
         if args.json:
             print(json.dumps(row), flush=True)
         else:
             print(
-                f"{n:3d} peers: {row['rounds']} rounds at peer {row['record_peer']}, {row['round_s']} s/round, "
+                f"{n:3d} peers: {row['rounds']} rounds (steps {row['steps']}) at peer {row['record_peer']}, "
+                f"{row['round_s']} s/round, "
                 f"full {row['full_share']}, "
                 f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
                 f"survived a loss {row['survived_a_loss']}, failed attempts at any peer "

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from bench.scale import FAILED, _count, _how, _probe_end, detection, false_losses, record_peer, step_lines
+from bench.scale import (
+    FAILED,
+    _count,
+    _how,
+    _probe_end,
+    detection,
+    false_losses,
+    last_step,
+    record_peer,
+    step_lines,
+)
 
 
 def _at(t: float) -> str:
@@ -102,3 +112,12 @@ def test_the_round_record_skips_a_bootstrap_peer_the_swarm_sponsored() -> None:
     assert record_peer(logs, {1}, t + 35, t + 50) == 2  # still sponsored: its steps say so
     assert record_peer(logs, {1, 2, 3}, t + 45, t + 50) == 0  # sponsored before the window only
     assert record_peer(logs, {1, 2, 3}, t, t + 50) is None
+
+
+def test_until_step_reads_the_highest_step_a_peer_completed_as_a_member() -> None:
+    """--until-step closes the window on the bootstrap peer's highest logged step; a step it sent through a sponsor
+    ("peers via sponsor") is not one it completed as a member, and a log with no step yet reads -1."""
+    t = 1_800_000_000.0
+    assert last_step(_serving(t, "aaaaaaaa")) == -1
+    assert last_step(_step(t + 1, 3) + _step(t + 2, 12) + _step(t + 3, 4)) == 12
+    assert last_step(_step(t + 1, 3) + _step(t + 2, 5, "peers via sponsor 22222222 | sent")) == 3
