@@ -258,7 +258,7 @@ class Takeover:
             _, call = self._pull_call(stub_for, shard, pid, timeout)
             try:
                 async for _ in call:  # type: ignore[attr-defined]
-                    pass
+                    return False  # it holds that shard's average: no refusal, and we need none of its bytes
             except grpc.aio.AioRpcError as exc:
                 said = exc.trailing_metadata() if exc.code() == grpc.StatusCode.ABORTED else None
                 return refuses(said, self.identity.peer_id, set(self.ids) - {pid})
