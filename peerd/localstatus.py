@@ -37,6 +37,7 @@ class LocalStatus:
     rejected_messages: int = 0
     rejected_contributions: int = 0
     solo_steps: int = 0
+    steps_sat_out: int = 0  # of rounds_failed: an owner refused our contribution and we sat the step out
     state_downloads: int = 0
     forks_healed: int = 0
     finished: bool = False
@@ -72,6 +73,7 @@ def status_message(d: Daemon, redact: bool = False) -> pb.StatusResponse:
         rounds_failed=s.rounds_failed,
         rejected_messages=s.rejected_messages,
         solo_steps=s.solo_steps,
+        steps_sat_out=s.steps_sat_out,
         recent_rounds=list(s.recent_rounds)[-16:],
         finished=s.finished,
         state=s.state,

@@ -205,6 +205,12 @@ class PeerMetrics:
             ["why"],
             registry=registry,
         )
+        self.steps_sat_out = Counter(
+            "peerd_steps_sat_out",
+            "Outer steps this peer sat out because an owner's checks refused its contribution (its norm screen, or "
+            "data that did not decode); each is also a failed round. Its work carries into the next round.",
+            registry=registry,
+        )
         self.redials = Counter(
             "peerd_redials",
             "Dials of dead peers and bootstrap addresses (network.redial_max backoff).",

@@ -488,6 +488,9 @@ class RoundClient:
                         self.d.membership.mark_unreachable(s, why=f"failed round: {exc.reason}")
                 if isinstance(exc, ContributionRefused):  # the same work would be refused again: see roundtypes.py
                     self.sat_out = step
+                    self.d.status.steps_sat_out += 1
+                    if self.d.metrics is not None:
+                        self.d.metrics.steps_sat_out.inc()
                     log.warning("round for step %d: %s; sitting this step out, our work carries into the next round",
                                 step, exc)  # fmt: skip
                     raise

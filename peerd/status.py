@@ -103,7 +103,9 @@ def format_status(st: pb.StatusResponse) -> str:
         f"loss       train {st.loss:.4f}, eval {st.eval_loss:.4f}, {st.tokens_per_second:.0f} tokens/s",
         f"traffic    sent {st.bytes_sent_raw / 1e6:.2f} MB raw, {st.bytes_sent_wire / 1e6:.2f} MB on the wire; "
         f"received {st.bytes_received_wire / 1e6:.2f} MB",
-        f"health     {st.rounds_partial} partial rounds, {st.rounds_failed} failed, "
+        f"health     {st.rounds_partial} partial rounds, {st.rounds_failed} failed"
+        + (f" ({st.steps_sat_out} steps sat out: our contribution refused)" if st.steps_sat_out else "")
+        + ", "
         f"{st.rejected_messages} rejected messages, {st.solo_steps} solo steps",
         f"state      {st.work} peer-rounds of work; adopted another peer's state {st.state_downloads} times "
         f"({st.forks_healed} after a split)",

@@ -496,6 +496,7 @@ class Worker:
             "rounds_partial": st.rounds_partial,
             "rounds_failed": st.rounds_failed,
             "solo_steps": st.solo_steps,
+            "steps_sat_out": st.steps_sat_out,
             "work": self.algorithm.work,
             "state_downloads": st.state_downloads,
             "forks_healed": st.forks_healed,

@@ -156,6 +156,7 @@ def test_known_children_exist_at_zero_before_any_event() -> None:
     for reason in REJECT_REASONS:
         assert sample_value(m, "peerd_rejected_messages_total", reason=reason) == 0
     assert sample_value(m, "peerd_compute_idle_seconds_total") == 0
+    assert sample_value(m, "peerd_steps_sat_out_total") == 0
     # Unmeasured values read as NaN, never as a (perfect) 0 loss or ratio.
     assert math.isnan(sample_value(m, "peerd_train_loss"))
     assert math.isnan(sample_value(m, "peerd_eval_loss"))

@@ -227,6 +227,17 @@ def test_poisoning_peers_are_refused_then_banned_and_the_rest_train_on(tmp_path:
     assert "NaN" in log
 
 
+def test_status_counts_steps_sat_out_apart_from_other_failed_rounds() -> None:
+    """A step sat out used to show only as one more failed round; `peerd status` names it when there is one."""
+    from peerd.status import format_status
+    from peerd.v1 import peerd_pb2 as pb
+
+    quiet = format_status(pb.StatusResponse(peer_id="a" * 32, rounds_failed=3))
+    assert "3 failed, " in quiet and "sat out" not in quiet
+    text = format_status(pb.StatusResponse(peer_id="a" * 32, rounds_failed=3, steps_sat_out=2))
+    assert "3 failed (2 steps sat out: our contribution refused), " in text
+
+
 @pytest.mark.slow
 def test_an_honest_peer_whose_contribution_is_refused_sits_the_step_out_and_is_not_banned(tmp_path: Path) -> None:
     """An honest peer's contribution can be far above one owner's own per claimed work (CI: 12x a CPU-starved owner's
@@ -250,6 +261,11 @@ def test_an_honest_peer_whose_contribution_is_refused_sits_the_step_out_and_is_n
     assert "refused our contribution" in log and "sitting this step out" in log, log[-3000:]
     # the step it reached by download says so, instead of the "peers 4/4" of a round it was not in
     assert re.search(r"outer step \d+ \| .*\| peers - \(state downloaded\) \|", log), log[-3000:]
+    # every step sat out is counted on its own, not only as a failed round, and only by a peer that logged one
+    for p in swarm.peers:
+        s = p.summary()
+        assert s["steps_sat_out"] == p.log().count("sitting this step out") <= s["rounds_failed"], s
+    assert swarm.peers[3].summary()["steps_sat_out"] >= 1
     ids = {p.summary()["peer_id"] for p in swarm.peers}
     for p in swarm.peers:
         s = p.summary()
