@@ -225,6 +225,7 @@ def _run(args: argparse.Namespace, raw: dict[str, Any], workdir: Path, keep: boo
         "partial_rounds": sum(s["rounds_partial"] for s in summaries),
         "failed_rounds": sum(s["rounds_failed"] for s in summaries),
         "solo_steps": sum(s["solo_steps"] for s in summaries),
+        "steps_sat_out": sum(s["steps_sat_out"] for s in summaries),
         "compute_idle_fraction": total_idle / (total_compute + total_idle) if total_compute + total_idle else 0.0,
         "seconds": round(time.monotonic() - t_start, 1),
         "workdir": str(workdir) if keep else None,

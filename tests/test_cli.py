@@ -123,6 +123,8 @@ def test_demo_json_summary(tmp_path: Path) -> None:
         assert key in summary, key
     assert summary["peers"] == 2 and summary["algorithm"] == "diloco" and summary["outer_steps"] == 3
     assert summary["ok"] is True and summary["workdir"] is None
+    # an honest two-peer run on loopback: no round partial, no step solo or sat out
+    assert summary["partial_rounds"] == summary["solo_steps"] == summary["steps_sat_out"] == 0, summary
     assert summary["max_param_diff"] == 0.0
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["bytes_sent_total"] > 0
