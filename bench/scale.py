@@ -2,7 +2,7 @@
 is the swarm's own cost as N grows (issue 15).
 
     python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1]
-                          [--until-step N] [--json]
+                          [--until-step N [--from-step M]] [--json]
 
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
@@ -28,7 +28,11 @@ Per swarm size, over a measurement window that starts once every peer is up:
 
 With --until-step N the window also closes once the bootstrap peer has logged outer step N, so that every size's
 round bytes cover the same outer steps: a 2-peer swarm runs hundreds of rounds in a 45 s window and a 64-peer one a
-few, and the early steps' payloads are the larger (BENCHMARKS.md, "Scale").
+few, and the early steps' payloads are the larger (BENCHMARKS.md, "Scale"). The window still opens once every peer
+completed a round, which is a later step at 64 peers than at 2. --from-step M (with --until-step N) adds the figure
+that covers exactly steps M to N at every size: each peer's own round summaries (its Status: the wire and raw bytes it
+sent in each round, by step), asked for once every peer logged step N, and the median over the peers that completed
+a round at each of those steps.
 
 Each daemon is a separate process with its own gRPC server; they share this machine's cores, so the absolute round
 times are CPU-bound at large N. Ratios between sizes are what the bench is for; see ARCHITECTURE.md ("Scale") for
@@ -130,6 +134,7 @@ def run_size(
     keep: bool = False,
     inner_steps: int = 1,
     until_step: int = 0,
+    from_step: int = 0,
 ) -> dict[str, Any]:
     from tests.swarm import Swarm
 
@@ -172,12 +177,53 @@ def run_size(
             t1 = time.time()
             after = {i: _scrape(u) for i, u in urls.items()}
             logs = {p.index: p.log() for p in swarm.peers}
+            summaries = _round_summaries(swarm, until_step) if from_step and until_step else []
         killed = {i for i, k in started.items() if k > 1}
         row = _report(n, t0, t1, before, after, logs, kills, killed)
+        if from_step and until_step:
+            row.update(steps_bytes(summaries, from_step, until_step))
         if kept:
             row["kept"] = kept
             Path(kept, "kills.json").write_text(json.dumps(kills))  # (time, peer id): for a post-mortem
         return row
+
+
+def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int]]]:
+    """Each peer's recent rounds as (step, fragment, wire bytes, raw bytes) it sent, asked for once every peer logged
+    `until_step` (a Status answer holds a peer's last 16 rounds: a 2-peer swarm runs on meanwhile, so ask at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.suppress(TimeoutError):
+        swarm.wait_until(lambda: all(last_step(p.log()) >= until_step for p in swarm.peers), 300, "the last step")
+
+    def ask(peer: Any) -> list[tuple[int, int, int, int]]:
+        try:
+            st = peer.status(timeout=20.0)
+        except Exception:  # a peer that does not answer is left out of the figure, not the bench
+            return []
+        return [(r.step, r.fragment, r.wire_bytes, r.raw_bytes) for r in st.recent_rounds]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(ask, swarm.peers))
+
+
+def steps_bytes(summaries: list[list[tuple[int, int, int, int]]], lo: int, hi: int) -> dict[str, Any]:
+    """The median over peers of the wire and raw bytes a peer sent per round in the rounds that reached outer steps
+    lo..hi, as the logs' "outer step N" lines and the rows' "steps" number them (a round's summary carries the step
+    it averaged: N - 1), from each peer's round summaries; only peers that completed every one of those whole-model
+    rounds count."""
+    wire, raw = [], []
+    for rounds in summaries:
+        by_step = {step: (w, r) for step, frag, w, r in rounds if frag < 0 and lo <= step + 1 <= hi}
+        if len(by_step) == hi - lo + 1:
+            wire.append(sum(w for w, _ in by_step.values()) / len(by_step))
+            raw.append(sum(r for _, r in by_step.values()) / len(by_step))
+    return {
+        "steps_counted": [lo, hi],
+        "steps_peers": len(wire),
+        "steps_round_B_per_peer": round(statistics.median(wire)) if wire else None,
+        "steps_round_raw_B_per_peer": round(statistics.median(raw)) if raw else None,
+    }
 
 
 def last_step(log: str) -> int:
@@ -423,17 +469,29 @@ def main(argv: list[str] | None = None) -> None:
         "--until-step", type=int, default=0, help="also close the window once the bootstrap peer logged this outer "
         "step: every size's round bytes then cover the same steps"
     )  # fmt: skip
+    ap.add_argument(
+        "--from-step", type=int, default=0, help="with --until-step: also give the round bytes per peer over exactly "
+        "these outer steps, at every size, from the peers' own round summaries"
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every peer's data dir and log (the path is printed)")
     args = ap.parse_args(argv)
+    if args.from_step and not 0 < args.until_step - args.from_step + 1 <= 12:
+        ap.error("--from-step M needs --until-step N, M <= N, at most 12 steps (Status holds a peer's last 16 rounds)")
     rows = []
     for n in (int(x) for x in args.peers.split(",")):
         row = run_size(
             n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps,
-            args.until_step,
+            args.until_step, args.from_step,
         )  # fmt: skip
         rows.append(row)
+        steps_note = (
+            f"over steps {row['steps_counted']} {row['steps_round_B_per_peer']} B/peer "
+            f"({row['steps_round_raw_B_per_peer']} before the codec; {row['steps_peers']} peers), "
+            if "steps_counted" in row
+            else ""
+        )
         if args.json:
             print(json.dumps(row), flush=True)
         else:
@@ -448,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['gossip_msgps']} msg/s per peer ({row['gossip_B_per_msg']} B/msg; "
                 f"all traffic {row['all_Bps']} B/s {row['all_msgps']} msg/s), "
                 f"round {row['round_B_per_peer']} B/peer ({row['round_raw_B_per_peer']} before the codec), "
+                f"{steps_note}"
                 f"rendezvous {row['rendezvous_B_per_round_median']} B/round per peer (max "
                 f"{row['rendezvous_B_per_round_max']}), kills {row['kills']}, "
                 f"detect {row['detect_s_median']}/{row['detect_s_p90']}/{row['detect_s_max']} s (median/p90/max) over "

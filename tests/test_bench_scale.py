@@ -15,6 +15,7 @@ from bench.scale import (
     last_step,
     record_peer,
     step_lines,
+    steps_bytes,
 )
 
 
@@ -121,3 +122,16 @@ def test_until_step_reads_the_highest_step_a_peer_completed_as_a_member() -> Non
     assert last_step(_serving(t, "aaaaaaaa")) == -1
     assert last_step(_step(t + 1, 3) + _step(t + 2, 12) + _step(t + 3, 4)) == 12
     assert last_step(_step(t + 1, 3) + _step(t + 2, 5, "peers via sponsor 22222222 | sent")) == 3
+
+
+def test_steps_bytes_counts_the_same_rounds_at_every_size() -> None:
+    """--from-step: a row's bytes cover exactly the rounds that reached steps lo..hi (a summary carries the step it
+    averaged, one less), whole-model rounds only, and only peers that completed all of them; the median over peers."""
+    full = [(1, -1, 900, 4000), (2, -1, 100, 4000), (3, -1, 200, 4000), (4, -1, 300, 4000), (5, -1, 999, 4000)]
+    other = [(2, -1, 300, 4000), (3, -1, 400, 4000), (4, -1, 500, 4000), (3, 0, 7, 7)]  # a fragment round: not counted
+    gap = [(2, -1, 1, 4000), (4, -1, 1, 4000)]  # sat out (or was restarted at) step 3: left out
+    row = steps_bytes([full, other, gap, []], 3, 5)
+    assert row["steps_counted"] == [3, 5] and row["steps_peers"] == 2
+    assert row["steps_round_B_per_peer"] == 300  # the median of 200 (100, 200, 300) and 400 (300, 400, 500)
+    assert row["steps_round_raw_B_per_peer"] == 4000
+    assert steps_bytes([gap], 3, 5)["steps_round_B_per_peer"] is None
