@@ -188,39 +188,47 @@ def run_size(
         return row
 
 
-def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int]]]:
-    """Each peer's recent rounds as (step, fragment, wire bytes, raw bytes) it sent, asked for once every peer logged
+def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """Each peer's recent rounds as (step, fragment, wire bytes and raw bytes it sent, members that owned a shard: the
+    group's members less those it flagged, which own none, group.no_shards), asked for once every peer logged
     `until_step` (a Status answer holds a peer's last 16 rounds: a 2-peer swarm runs on meanwhile, so ask at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with contextlib.suppress(TimeoutError):
         swarm.wait_until(lambda: all(last_step(p.log()) >= until_step for p in swarm.peers), 300, "the last step")
 
-    def ask(peer: Any) -> list[tuple[int, int, int, int]]:
+    def ask(peer: Any) -> list[tuple[int, int, int, int, int]]:
         try:
             st = peer.status(timeout=20.0)
         except Exception:  # a peer that does not answer is left out of the figure, not the bench
             return []
-        return [(r.step, r.fragment, r.wire_bytes, r.raw_bytes) for r in st.recent_rounds]
+        return [
+            (r.step, r.fragment, r.wire_bytes, r.raw_bytes, len(set(r.included) - set(r.no_shards)))
+            for r in st.recent_rounds
+        ]
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         return list(pool.map(ask, swarm.peers))
 
 
-def steps_bytes(summaries: list[list[tuple[int, int, int, int]]], lo: int, hi: int) -> dict[str, Any]:
+def steps_bytes(summaries: list[list[tuple[int, int, int, int, int]]], lo: int, hi: int) -> dict[str, Any]:
     """The median over peers of the wire and raw bytes a peer sent per round in the rounds that reached outer steps
     lo..hi, as the logs' "outer step N" lines and the rows' "steps" number them (a round's summary carries the step
     it averaged: N - 1), from each peer's round summaries; only peers that completed every one of those whole-model
-    rounds count."""
-    wire, raw = [], []
+    rounds count. Also the fewest shard owners in those rounds: a member the swarm flags slow owns no shard, and
+    each owner then sends its average to more members (S (1 + (n - 2) / owners) per owner for a vector of S bytes,
+    against 2 S (n - 1) / n with every member an owner)."""
+    wire, raw, owners = [], [], []
     for rounds in summaries:
-        by_step = {step: (w, r) for step, frag, w, r in rounds if frag < 0 and lo <= step + 1 <= hi}
+        by_step = {step: (w, r, o) for step, frag, w, r, o in rounds if frag < 0 and lo <= step + 1 <= hi}
         if len(by_step) == hi - lo + 1:
-            wire.append(sum(w for w, _ in by_step.values()) / len(by_step))
-            raw.append(sum(r for _, r in by_step.values()) / len(by_step))
+            wire.append(sum(w for w, _, _ in by_step.values()) / len(by_step))
+            raw.append(sum(r for _, r, _ in by_step.values()) / len(by_step))
+            owners.append(min(o for _, _, o in by_step.values()))
     return {
         "steps_counted": [lo, hi],
         "steps_peers": len(wire),
+        "steps_owners_min": min(owners) if owners else None,
         "steps_round_B_per_peer": round(statistics.median(wire)) if wire else None,
         "steps_round_raw_B_per_peer": round(statistics.median(raw)) if raw else None,
     }
@@ -488,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         steps_note = (
             f"over steps {row['steps_counted']} {row['steps_round_B_per_peer']} B/peer "
-            f"({row['steps_round_raw_B_per_peer']} before the codec; {row['steps_peers']} peers), "
+            f"({row['steps_round_raw_B_per_peer']} before the codec; {row['steps_peers']} peers, at least "
+            f"{row['steps_owners_min']} shard owners), "
             if "steps_counted" in row
             else ""
         )
