@@ -13,9 +13,10 @@ and into 2 frames (the 2-peer cut).
 With --inner-steps, a second table trains the payloads instead: each of n peers runs H AdamW steps of
 bench.scale_model's noisy vector model from the shared global for 3 outer steps, and sends its pseudo-gradient, as
 bench.scale's daemons do with H = 1. It prints the round bytes per peer that the shares predict at n peers (n-1 of n
-frames of the own update out, as many of the average back) against 2 peers, on the wire. A one-step update is
-lr * sign(grad) plus decay, so a mean of two has far fewer distinct values than a mean of 64; after H steps both are
-sums of many steps, and the ratio nears 2 (n-1)/n / 1.
+frames of the own update out, as many of the average back) against 2 peers, on the wire, and the same cut as a round
+cuts it (`round_bytes`: shards in parts of at most 256 KiB, so a 2-peer round sends 64K-value frames, not halves).
+A one-step update is lr * sign(grad) plus decay, so a mean of two has far fewer distinct values than a mean of 64;
+after H steps both are sums of many steps, and the ratio nears 2 (n-1)/n / 1.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from bench.scale_model import Indices, Vector
 from peerd.codecs import make_codec
 from peerd.config import InnerSection, OuterSection
+from peerd.layout import part_bounds, part_elems, shard_bounds
 
 LR, DECAY = 3e-3, 0.1
 
@@ -71,18 +73,38 @@ def trained_updates(params: int, n: int, steps: int, outer: int = 3) -> tuple[to
     return deltas[0], avg
 
 
+def round_bytes(own: torch.Tensor, avg: torch.Tensor, n: int) -> int:
+    """The wire bytes one member of an n-peer round sends, cut as a round cuts the vector (layout.py: one shard per
+    member, shards in parts of at most PART_BYTES): its own update for every other member's shard, and its average
+    of the shard it owns to every other member."""
+    codec = make_codec("fp32")
+    size = part_elems(codec)
+    shards = shard_bounds(own.numel(), n)
+    out = sum(len(codec.encode(own[a:b])) for lo, hi in shards[1:] for a, b in part_bounds(lo, hi, size))
+    back = sum(len(codec.encode(avg[a:b])) for a, b in part_bounds(*shards[0], size))
+    return out + (n - 1) * back
+
+
 def _trained_table(params: int, peers: list[int], steps: list[int]) -> None:
     print()
-    print("| inner steps | peers | own update, n frames | average, n frames | round bytes per peer vs 2 peers |")
-    print("|---|---|---|---|---|")
+    print(
+        "| inner steps | peers | own update, n frames | average, n frames | round bytes per peer vs 2 peers | "
+        "the same, cut into the round's parts |"
+    )
+    print("|---|---|---|---|---|---|")
     for h in steps:
-        base = None
+        base = base_parts = None
         for n in sorted(set(peers) | {2}):
             own, avg = trained_updates(params, n, h)
             o, a = wire_share(own, n), wire_share(avg, n)
             per_peer = (n - 1) / n * (o + a)  # shares of the vector: its n-1 frames out, as many averaged ones back
+            parts = round_bytes(own, avg, n)
             base = per_peer if n == 2 else base
-            print(f"| {h} | {n} | {100 * o:.1f}% | {100 * a:.1f}% | {per_peer / base:.3f}x |", flush=True)
+            base_parts = parts if n == 2 else base_parts
+            print(
+                f"| {h} | {n} | {100 * o:.1f}% | {100 * a:.1f}% | {per_peer / base:.3f}x | {parts / base_parts:.4f}x |",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
