@@ -2,7 +2,7 @@
 is the swarm's own cost as N grows (issue 15).
 
     python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1]
-                          [--until-step N [--from-step M]] [--json]
+                          [--until-step N [--from-step M]] [--codec NAME] [--json]
 
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
@@ -77,7 +77,7 @@ def _ts(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _config(tmp: Path, params: int, gossip_entries: int, inner_steps: int = 1) -> Path:
+def _config(tmp: Path, params: int, gossip_entries: int, inner_steps: int = 1, codec: str = "fp32") -> Path:
     from tests.swarm import tiny_config
 
     return tiny_config(
@@ -102,6 +102,7 @@ def _config(tmp: Path, params: int, gossip_entries: int, inner_steps: int = 1) -
         # the slow ones, whose members then dropped their work for a smaller group's state
         network__round_timeout=120.0,
         network__linger=2.0,
+        codec__name=codec,
     )
 
 
@@ -135,6 +136,7 @@ def run_size(
     inner_steps: int = 1,
     until_step: int = 0,
     from_step: int = 0,
+    codec: str = "fp32",
 ) -> dict[str, Any]:
     from tests.swarm import Swarm
 
@@ -144,7 +146,7 @@ def run_size(
     kept = tempfile.mkdtemp(prefix=f"peerd-scale{n}-") if keep else None  # the peers' logs, for a post-mortem
     with contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
         tmp = Path(tmpdir)
-        cfg = _config(tmp, params, gossip_entries, inner_steps)
+        cfg = _config(tmp, params, gossip_entries, inner_steps, codec)
         swarm = Swarm(tmp, n, cfg, metrics=True, wait_peers=True)  # --wait-peers N: all start together
         with swarm:
             swarm.wait_until(lambda: all(p.proc.poll() is None for p in swarm.peers), 30, "peers up")
@@ -481,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
         "--from-step", type=int, default=0, help="with --until-step: also give the round bytes per peer over exactly "
         "these outer steps, at every size, from the peers' own round summaries"
     )  # fmt: skip
+    ap.add_argument("--codec", default="fp32", help="codec.name (fp32, the product default, unless set)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every peer's data dir and log (the path is printed)")
@@ -491,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in (int(x) for x in args.peers.split(",")):
         row = run_size(
             n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps,
-            args.until_step, args.from_step,
+            args.until_step, args.from_step, args.codec,
         )  # fmt: skip
         rows.append(row)
         steps_note = (
