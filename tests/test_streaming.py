@@ -4,6 +4,7 @@ delayed exchange under both late-exchange policies)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -470,8 +471,12 @@ def test_late_joiner_downloads_state_and_ends_identical(tmp_path: Path, joiner_i
 def test_a_peer_left_behind_when_the_run_ends_takes_its_final_state(tmp_path: Path) -> None:
     """A peer two or more outer steps behind when the swarm finishes (here frozen mid-run, then slower than the
     others linger) takes the final state at once instead of training on alone to its next boundary, by which time
-    nobody would serve it: it ends on the run's model. Without Worker.overtaken it finishes on a model of its own."""
-    cfg = tiny_config(tmp_path, run__outer_steps=8, inner__steps=20, network__linger=4.0, **STREAMING)
+    nobody would serve it: it ends on the run's model. Without Worker.overtaken it finishes on a model of its own.
+    The run is long enough for the joiner to be frozen two or more steps short even under load: with 8 outer steps
+    and a CPU hog beside it, the joiner took 7 s to download, the swarm was at step 7 by then (one short: the
+    boundary's own check, not this rule), and the joiner finished alone on a model of its own."""
+    last = 12
+    cfg = tiny_config(tmp_path, run__outer_steps=last, inner__steps=20, network__linger=4.0, **STREAMING)
     swarm = Swarm(tmp_path, 2, cfg, env={"PEERD_FAULT_STEP_DELAY_S": "0.03"})
     with swarm:
         swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 1, 120, "outer step 1")
@@ -479,9 +484,11 @@ def test_a_peer_left_behind_when_the_run_ends_takes_its_final_state(tmp_path: Pa
         swarm.wait_until(lambda: "downloaded state at step" in behind.log(), 60, "the joiner's download")
         behind.proc.send_signal(signal.SIGSTOP)
         try:
-            swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 8, 180, "the swarm's last step")
+            swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= last, 180, "the swarm's last step")
         finally:
             behind.proc.send_signal(signal.SIGCONT)
         swarm.wait_exit(120)
-    assert behind.summary()["outer_step"] == 8
+    frozen_at = int(re.findall(r"downloaded state at step (\d+)", behind.log())[0])
+    assert frozen_at <= last - 2, f"the joiner was frozen at step {frozen_at}: not two short of {last}, a longer run"
+    assert behind.summary()["outer_step"] == last
     assert_identical_globals([p.data_dir for p in swarm.peers])
