@@ -192,7 +192,8 @@ def run_size(
 
 def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int, int]]]:
     """Each peer's recent rounds as (step, fragment, wire bytes and raw bytes it sent, members that owned a shard: the
-    group's members less those it flagged, which own none, group.no_shards), asked for once every peer logged
+    members less those the group flagged, group.no_shards, and those the peer knows as outbound-only, which own
+    none either), asked for once every peer logged
     `until_step` (a Status answer holds a peer's last 16 rounds: a 2-peer swarm runs on meanwhile, so ask at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -204,8 +205,9 @@ def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, i
             st = peer.status(timeout=20.0)
         except Exception:  # a peer that does not answer is left out of the figure, not the bench
             return []
+        outbound = {p.peer_id for p in st.peers if p.outbound_only}  # never dialled, so they own no shard either
         return [
-            (r.step, r.fragment, r.wire_bytes, r.raw_bytes, len(set(r.included) - set(r.no_shards)))
+            (r.step, r.fragment, r.wire_bytes, r.raw_bytes, len(set(r.included) - set(r.no_shards) - outbound))
             for r in st.recent_rounds
         ]
 
