@@ -193,8 +193,8 @@ def run_size(
 def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int, int]]]:
     """Each peer's recent rounds as (step, fragment, wire bytes and raw bytes it sent, members that owned a shard: the
     members less those the group flagged, group.no_shards, and those the peer knows as outbound-only, which own
-    none either), asked for once every peer logged
-    `until_step` (a Status answer holds a peer's last 16 rounds: a 2-peer swarm runs on meanwhile, so ask at once)."""
+    none either), asked for once every peer logged `until_step` (a Status answer holds a peer's last 16 rounds: a
+    2-peer swarm runs on meanwhile, so ask at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with contextlib.suppress(TimeoutError):
@@ -219,9 +219,9 @@ def steps_bytes(summaries: list[list[tuple[int, int, int, int, int]]], lo: int, 
     """The median over peers of the wire and raw bytes a peer sent per round in the rounds that reached outer steps
     lo..hi, as the logs' "outer step N" lines and the rows' "steps" number them (a round's summary carries the step
     it averaged: N - 1), from each peer's round summaries; only peers that completed every one of those whole-model
-    rounds count. Also the fewest shard owners in those rounds: a member the swarm flags slow owns no shard, and
-    each owner then sends its average to more members (S (1 + (n - 2) / owners) per owner for a vector of S bytes,
-    against 2 S (n - 1) / n with every member an owner)."""
+    rounds count. Also the fewest shard owners in those rounds: a member the swarm flags slow, or an outbound-only
+    one, owns no shard, and each owner then sends its average to more members (S (1 + (n - 2) / owners) per owner
+    for a vector of S bytes, against 2 S (n - 1) / n with every member an owner)."""
     wire, raw, owners = [], [], []
     for rounds in summaries:
         by_step = {step: (w, r, o) for step, frag, w, r, o in rounds if frag < 0 and lo <= step + 1 <= hi}
