@@ -89,6 +89,7 @@ _QUEUE_SECONDS = 0.050
 _CMD_TIMEOUT = 20.0
 _CONGESTION = re.compile(r"^[a-z0-9_]{1,15}$")  # a kernel congestion-control name (TCP_CA_NAME_MAX is 16)
 _CC_SYSCTL = "net.ipv4.tcp_congestion_control"
+_CC_ALLOWED = "net.ipv4.tcp_allowed_congestion_control"
 
 
 class SlowLinkUnavailable(RuntimeError):
@@ -144,6 +145,16 @@ def host_congestion() -> str | None:
         return Path("/proc/sys", *_CC_SYSCTL.split(".")).read_text().strip()
     except OSError:
         return None
+
+
+def allowed_congestion() -> list[str]:
+    """The congestion controls a namespace may pick for itself: in a container, root outside the machine's first user
+    namespace may set only these (the kernel asks CAP_NET_ADMIN there for any other), even where
+    tcp_available_congestion_control lists more. Empty where /proc does not say."""
+    try:
+        return Path("/proc/sys", *_CC_ALLOWED.split(".")).read_text().split()
+    except OSError:
+        return []
 
 
 @functools.lru_cache(maxsize=1)
@@ -453,9 +464,11 @@ class SlowLinkNet:
         setting = f"{_CC_SYSCTL}={self._congestion}"
         done = _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", setting], check=False)
         if done.returncode != 0:
+            allowed = " ".join(allowed_congestion()) or "unknown"
             raise SlowLinkError(
-                f"cannot set {setting} in a namespace ({done.stderr.strip()}); pick one of "
-                "net.ipv4.tcp_available_congestion_control, or load its module (modprobe tcp_<name>)"
+                f"cannot set {setting} in a namespace ({done.stderr.strip()}); namespaces here may pick: {allowed} "
+                f"({_CC_ALLOWED}); pick one of those, or, as root on the host itself, load the module (modprobe "
+                f"tcp_<name>) and add it to {_CC_ALLOWED}"
             )
 
     def _shape(self, ns: str, dev: str, rate_mbit: float) -> None:

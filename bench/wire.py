@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--cc", default="host", type=_cc_arg, help="TCP congestion control in every namespace, for peerd and raw TCP "
-        "alike (cubic, bbr, reno; host, the default: this machine's own)"
+        "alike (cubic, bbr, reno; host, the default: this machine's own; in a container only those in "
+        "net.ipv4.tcp_allowed_congestion_control)"
     )  # fmt: skip
     ap.add_argument(
         "--trace", action="store_true", help="print each uplink's busy share, 0.5 s at a time (1/25 of shorter rounds)"

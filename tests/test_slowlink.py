@@ -19,6 +19,7 @@ from bench.slowlink import (
     SlowLinkError,
     SlowLinkNet,
     SlowLinkUnavailable,
+    allowed_congestion,
     available,
     host_congestion,
     remove_stale_namespaces,
@@ -196,7 +197,14 @@ def test_hosts_run_the_congestion_control_they_are_given(net2: SlowLinkNet) -> N
     is cubic, and on shallow tbf queues the two differ by up to 13% in round time (bench/slowlink.py)."""
     host = host_congestion()
     assert host and [net2.congestion(i) for i in range(2)] == [host, host]
+    allowed = allowed_congestion()
+    assert "reno" in allowed, allowed  # the kernel always allows its built-in one
     for cc in ("reno", "cubic"):
+        if cc not in allowed:  # a container's root may not pick it (this machine's kind allows reno and bbr only)
+            refused = f"congestion_control={cc} .*may pick: {' '.join(allowed)}"
+            with pytest.raises(SlowLinkError, match=refused), SlowLinkNet(1, 20.0, congestion=cc):
+                pass
+            continue
         with SlowLinkNet(2, 20.0, congestion=cc) as other:
             assert [other.congestion(i) for i in range(2)] == [cc, cc]
     with pytest.raises(SlowLinkError, match="congestion_control=nosuchcc"), SlowLinkNet(1, 20.0, congestion="nosuchcc"):
