@@ -17,6 +17,11 @@ frames of the own update out, as many of the average back) against 2 peers, on t
 cuts it (`round_bytes`: shards in parts of at most 256 KiB, so a 2-peer round sends 64K-value frames, not halves).
 A one-step update is lr * sign(grad) plus decay, so a mean of two has far fewer distinct values than a mean of 64;
 after H steps both are sums of many steps, and the ratio nears 2 (n-1)/n / 1.
+
+What is left after H steps is the exact mean's own cost (`spare_bits`, printed per table row): a pseudo-gradient is
+global - local, a difference of two nearby floats, so its low mantissa bits end in zeros; an exact mean of n such
+values needs up to log2 n more bits, which it takes from those zeros. The mean of two keeps most of them, the mean
+of 64 almost none, and zstd cannot shrink bits that carry information. Lossless fp32 pays that on the wire.
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ def wire_share(v: torch.Tensor, frames: int) -> float:
     codec = make_codec("fp32")
     step = v.numel() // frames
     return sum(len(codec.encode(v[i * step : (i + 1) * step])) for i in range(frames)) / (4 * v.numel())
+
+
+def spare_bits(v: torch.Tensor) -> float:
+    """Mean trailing zero bits of the values' 23-bit mantissas, beyond the 1 a random mantissa has on average: the
+    low-order bits a lossless codec has to spare, which an exact mean of several values fills."""
+    mant = v.float().contiguous().view(torch.int32) & 0x7FFFFF
+    zeros = torch.full(mant.shape, 23, dtype=torch.int32)
+    for bit in range(22, -1, -1):  # the lowest set bit wins: walk from the top so that it is written last
+        zeros = torch.where((mant >> bit) & 1 == 1, torch.tensor(bit, dtype=torch.int32), zeros)
+    return float(zeros.float().mean()) - 1.0
 
 
 def trained_updates(params: int, n: int, steps: int, outer: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +104,9 @@ def _trained_table(params: int, peers: list[int], steps: list[int]) -> None:
     print()
     print(
         "| inner steps | peers | own update, n frames | average, n frames | round bytes per peer vs 2 peers | "
-        "the same, cut into the round's parts |"
+        "the same, cut into the round's parts | spare bits: own, average |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for h in steps:
         base = base_parts = None
         for n in sorted(set(peers) | {2}):
@@ -102,7 +117,8 @@ def _trained_table(params: int, peers: list[int], steps: list[int]) -> None:
             base = per_peer if n == 2 else base
             base_parts = parts if n == 2 else base_parts
             print(
-                f"| {h} | {n} | {100 * o:.1f}% | {100 * a:.1f}% | {per_peer / base:.3f}x | {parts / base_parts:.4f}x |",
+                f"| {h} | {n} | {100 * o:.1f}% | {100 * a:.1f}% | {per_peer / base:.3f}x | {parts / base_parts:.4f}x | "
+                f"{spare_bits(own):.2f}, {spare_bits(avg):.2f} |",
                 flush=True,
             )
 

@@ -31,3 +31,16 @@ def test_round_bytes_are_what_one_member_sends_in_a_round() -> None:
     fp32 = make_codec("fp32")
     assert round_bytes(own, avg, 2) == len(fp32.encode(own[500:])) + len(fp32.encode(avg[:500]))
     assert round_bytes(own, avg, 4) == 3 * len(fp32.encode(own[:250])) + 3 * len(fp32.encode(avg[:250]))
+
+
+def test_an_exact_mean_of_many_updates_fills_the_low_bits_a_mean_of_two_leaves_zero() -> None:
+    """A pseudo-gradient is a difference of nearby floats, so its mantissas end in zeros; the exact mean of n of them
+    needs up to log2 n more bits, so a mean of 8 keeps fewer spare bits than a mean of 2, which keeps fewer than one
+    update. Random mantissas have none to spare."""
+    from bench.zstd_averages import spare_bits
+
+    assert abs(spare_bits(torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)))) < 0.05
+    assert spare_bits(torch.tensor([1.5, 0.75])) == 21.0  # mantissa 0x400000: 22 trailing zeros, 1 beyond random
+    own2, avg2 = trained_updates(1 << 14, 2, 10)
+    _, avg8 = trained_updates(1 << 14, 8, 10)
+    assert spare_bits(own2) > spare_bits(avg2) + 0.3 > spare_bits(avg8) + 0.6, (own2, avg2, avg8)
