@@ -266,13 +266,30 @@ class _Printer:
         self.rounds: dict[int, dict] = {}  # step -> round summary (any peer)
         self.sent: dict[int, int] = {}
         self.wire: dict[int, int] = {}
+        # peer -> (outer step, fragment) -> (raw, wire) bytes that peer sent in that round: a step's line sums the
+        # rounds up to it, where the live counters may already hold the next round's bytes (polls are 0.3 s apart)
+        self.round_bytes: dict[int, dict[tuple[int, int], tuple[int, int]]] = {}
 
     def add(self, peer: int, records: list[dict], rounds: list[dict], sent: int, wire: int) -> None:
         for r in records:
             self.steps.setdefault(int(r["outer_step"]), {})[peer] = r
         for r in rounds:
             self.rounds.setdefault(int(r["step"]) + 1, r)
+            key = (int(r["step"]) + 1, int(r.get("fragment", -1)))
+            self.round_bytes.setdefault(peer, {})[key] = (int(r.get("raw_bytes", 0)), int(r.get("wire_bytes", 0)))
         self.sent[peer], self.wire[peer] = sent, wire
+
+    def sent_by(self, step: int) -> tuple[int, int]:
+        """(raw, wire) bytes every peer sent in the rounds up to outer step `step`; the live counters where no peer
+        reported its rounds' bytes."""
+        raw = wire = 0
+        for rounds in self.round_bytes.values():
+            for (s, _), (r, w) in rounds.items():
+                if s <= step:
+                    raw, wire = raw + r, wire + w
+        if not raw and not wire:
+            return sum(self.sent.values()), sum(self.wire.values())
+        return raw, wire
 
     def flush(self, final: bool = False) -> None:
         while self.shown + 1 in self.steps and (final or len(self.steps[self.shown + 1]) == self.n):
@@ -283,10 +300,10 @@ class _Printer:
             rnd = self.rounds.get(self.shown)
             peers = f"{len(rnd['included'])}/{len(rnd['expected'])}" if rnd else "-"
             secs = f"{rnd['seconds']:.2f}s" if rnd else "-"
+            raw, wire = self.sent_by(self.shown)
             self.progress.log(
                 f"outer step {self.shown:>3} | loss {loss:.4f} | {tps:7.0f} tok/s | peers in round {peers} | "
-                f"sent {sum(self.sent.values()) / 1e6:.2f} MB (wire {sum(self.wire.values()) / 1e6:.2f} MB) | "
-                f"round {secs}"
+                f"sent {raw / 1e6:.2f} MB (wire {wire / 1e6:.2f} MB) | round {secs}"
             )
 
 

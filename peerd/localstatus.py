@@ -46,6 +46,26 @@ class LocalStatus:
     history: deque = field(default_factory=lambda: deque(maxlen=64))  # dicts of OuterStepRecord fields
 
 
+def round_record(r: pb.RoundSummary, default_part_bytes: int) -> dict:
+    """One round as summary.json keeps it (plain ints, unlike MessageToDict's strings for 64-bit fields), for the
+    demo's per-step lines and the benchmarks. `default_part_bytes` stands in for 0, the default part size."""
+    return {
+        "step": r.step,
+        "fragment": r.fragment,
+        "included": list(r.included),
+        "expected": list(r.expected),
+        "partial": r.partial,
+        "seconds": r.seconds,
+        "raw_bytes": r.raw_bytes,
+        "wire_bytes": r.wire_bytes,
+        "note": r.note,
+        "tokens": list(r.tokens),
+        "leader": r.leader,
+        "no_shards": list(r.no_shards),
+        "part_bytes": r.part_bytes or default_part_bytes,
+    }
+
+
 def status_message(d: Daemon, redact: bool = False) -> pb.StatusResponse:
     """This peer's view. `redact` (a caller not admitted to a non-open run) withholds every other peer's id and
     address: the peer list, the live set and round membership."""

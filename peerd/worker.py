@@ -28,6 +28,7 @@ from peerd.ddp import DataParallel
 from peerd.diloco import DiLoCo
 from peerd.ensemble import Ensemble
 from peerd.layout import PART_BYTES
+from peerd.localstatus import round_record
 from peerd.noloco import NoLoCo
 from peerd.statesync import StateSnapshot
 from peerd.streaming import StreamingDiLoCo
@@ -505,23 +506,7 @@ class Worker:
             "rejected_contributions": st.rejected_contributions,
             "banned": self.daemon.bans.banned(),
             "round_seconds": [r.seconds for r in st.recent_rounds],
-            "rounds": [
-                {
-                    "step": r.step,
-                    "fragment": r.fragment,
-                    "included": list(r.included),
-                    "expected": list(r.expected),
-                    "partial": r.partial,
-                    "seconds": r.seconds,
-                    "wire_bytes": r.wire_bytes,
-                    "note": r.note,
-                    "tokens": list(r.tokens),
-                    "leader": r.leader,
-                    "no_shards": list(r.no_shards),
-                    "part_bytes": r.part_bytes or PART_BYTES,
-                }
-                for r in st.recent_rounds
-            ],
+            "rounds": [round_record(r, PART_BYTES) for r in st.recent_rounds],
             # DiLoCo's uneven-peer accounting: inner steps whose work went into a later round, or was dropped
             "carried_steps": getattr(self.algorithm, "carried_steps", 0),
             "discarded_steps": getattr(self.algorithm, "discarded_steps", 0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,8 +124,35 @@ def test_demo_json_summary(tmp_path: Path) -> None:
         assert key in summary, key
     assert summary["peers"] == 2 and summary["algorithm"] == "diloco" and summary["outer_steps"] == 3
     assert summary["ok"] is True and summary["workdir"] is None
+    # each step's line counts the rounds up to that step: every step adds a round, and the last line is the total
+    wire = [float(m[1]) for m in re.finditer(r"outer step +\d+ \|.*\(wire ([\d.]+) MB\)", out.stdout)]
+    assert len(wire) == 3 and wire[0] < wire[1] < wire[2], out.stdout
+    assert wire[2] == round(summary["wire_bytes_total"] / 1e6, 2), (wire, summary["wire_bytes_total"])
     # an honest two-peer run on loopback: no round partial, no step solo or sat out
     assert summary["partial_rounds"] == summary["solo_steps"] == summary["steps_sat_out"] == 0, summary
     assert summary["max_param_diff"] == 0.0
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["bytes_sent_total"] > 0
+
+
+def test_demo_step_lines_count_the_rounds_up_to_their_step_not_later_ones(capsys: pytest.CaptureFixture) -> None:
+    """The live byte counters may already hold the next round when a step's line prints (polls are 0.3 s apart, a
+    tiny model's step is shorter): the line sums the peers' round summaries up to its step instead."""
+    from peerd.demo import _Printer
+
+    printer = _Printer(2, 3)
+    round_of = [
+        {"step": str(s), "fragment": -1, "included": ["a", "b"], "expected": ["a", "b"], "seconds": 0.1,
+         "raw_bytes": "1000000", "wire_bytes": "700000"}
+        for s in range(2)
+    ]  # fmt: skip
+    for peer in (0, 1):  # both finished step 1 and are through the round of step 2: counters hold both rounds
+        printer.add(peer, [{"outer_step": 1, "loss": 3.0}], round_of, sent=2_000_000, wire=1_400_000)
+    printer.flush()
+    printer.add(0, [{"outer_step": 1, "loss": 3.0}, {"outer_step": 2, "loss": 2.0}], round_of, 2_000_000, 1_400_000)
+    printer.add(1, [{"outer_step": 1, "loss": 3.0}, {"outer_step": 2, "loss": 2.0}], round_of, 2_000_000, 1_400_000)
+    printer.flush()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "outer step" in line]
+    assert len(lines) == 2, lines
+    assert "sent 2.00 MB (wire 1.40 MB)" in lines[0], lines[0]  # step 1: both peers' first round only
+    assert "sent 4.00 MB (wire 2.80 MB)" in lines[1], lines[1]
