@@ -136,19 +136,19 @@ def format_status(st: pb.StatusResponse) -> str:
         r = st.last_round
         tag = _tag(r)
         lines.append(
-            f"last round step {r.step}: {tag}, {len(r.included)}/{len(r.expected)} peers, "
+            f"last round, to outer step {r.step + 1}: {tag}, {len(r.included)}/{len(r.expected)} peers, "
             f"{r.wire_bytes / 1e6:.2f} MB wire ({r.raw_bytes / 1e6:.2f} MB raw), {r.seconds:.2f}s"
             + (f", {r.note}" if r.note else "")
         )
         lines.append("  included " + " ".join(i[:8] for i in r.included))
     if len(st.recent_rounds) > 1:
-        lines.append("recent rounds")
+        lines.append("recent rounds (each named by the outer step it completed, as the peers' logs name them)")
         for r in list(st.recent_rounds)[-8:]:
             frag = f" fragment {r.fragment}" if r.fragment >= 0 else ""
             tag = "" if _tag(r) == "complete" else f" {_tag(r)}"
             note = f"  ({r.note})" if r.note else ""
             lines.append(
-                f"  step {r.step:<5}{frag} with {' '.join(i[:8] for i in r.included)}{tag}  "
+                f"  step {r.step + 1:<5}{frag} with {' '.join(i[:8] for i in r.included)}{tag}  "
                 f"{r.wire_bytes / 1e6:.2f} MB  {r.seconds:.2f}s{note}"
             )
     return "\n".join(lines)

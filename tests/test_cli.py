@@ -156,3 +156,18 @@ def test_demo_step_lines_count_the_rounds_up_to_their_step_not_later_ones(capsys
     assert len(lines) == 2, lines
     assert "sent 2.00 MB (wire 1.40 MB)" in lines[0], lines[0]  # step 1: both peers' first round only
     assert "sent 4.00 MB (wire 2.80 MB)" in lines[1], lines[1]
+
+
+def test_status_names_rounds_by_the_outer_step_they_completed() -> None:
+    """A round's summary carries the step it averaged from (N - 1); the peer table, the logs and the demo name outer
+    step N. Status printed 'last round step 17' beside 'outer 18', which read as a peer one round behind."""
+    from peerd.status import format_status
+    from peerd.v1 import peerd_pb2 as pb
+
+    both = ["a" * 32, "b" * 32]
+    rounds = [pb.RoundSummary(step=s, fragment=-1, included=both, expected=both) for s in (16, 17)]
+    text = format_status(
+        pb.StatusResponse(peer_id="a" * 32, outer_step=18, last_round=rounds[-1], recent_rounds=rounds)
+    )
+    assert "outer 18" in text and "last round, to outer step 18: complete, 2/2 peers" in text, text
+    assert "  step 17    with aaaaaaaa bbbbbbbb" in text and "  step 18    with aaaaaaaa bbbbbbbb" in text, text
