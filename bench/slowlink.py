@@ -61,14 +61,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from bench.congestion import CC_ALLOWED, CC_SYSCTL, allowed_congestion, check_congestion, host_congestion
 
 __all__ = [
     "SlowLinkError",
     "SlowLinkNet",
     "SlowLinkUnavailable",
+    "allowed_congestion",
     "available",
     "check_congestion",
     "host_congestion",
@@ -87,9 +89,6 @@ _MIN_LIMIT = 256 * 1024
 _BURST_SECONDS = 0.004
 _QUEUE_SECONDS = 0.050
 _CMD_TIMEOUT = 20.0
-_CONGESTION = re.compile(r"^[a-z0-9_]{1,15}$")  # a kernel congestion-control name (TCP_CA_NAME_MAX is 16)
-_CC_SYSCTL = "net.ipv4.tcp_congestion_control"
-_CC_ALLOWED = "net.ipv4.tcp_allowed_congestion_control"
 
 
 class SlowLinkUnavailable(RuntimeError):
@@ -128,33 +127,6 @@ def _exec(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedPro
 def _unique_tag() -> str:
     """pid plus random bits: two runs (or two nets in one run) never pick the same namespace names."""
     return f"{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def check_congestion(name: object) -> str:
-    """``name`` if it can be a kernel congestion-control name (cubic, bbr, reno...); ValueError otherwise, before any
-    of it reaches a sysctl command line."""
-    if not (isinstance(name, str) and _CONGESTION.match(name)):
-        raise ValueError(f"congestion must be a kernel congestion-control name such as cubic or bbr, got {name!r}")
-    return name
-
-
-def host_congestion() -> str | None:
-    """The machine's default TCP congestion control, which a namespace made with ``congestion=None`` inherits; None
-    where /proc does not say."""
-    try:
-        return Path("/proc/sys", *_CC_SYSCTL.split(".")).read_text().strip()
-    except OSError:
-        return None
-
-
-def allowed_congestion() -> list[str]:
-    """The congestion controls a namespace may pick for itself: in a container, root outside the machine's first user
-    namespace may set only these (the kernel asks CAP_NET_ADMIN there for any other), even where
-    tcp_available_congestion_control lists more. Empty where /proc does not say."""
-    try:
-        return Path("/proc/sys", *_CC_ALLOWED.split(".")).read_text().split()
-    except OSError:
-        return []
 
 
 @functools.lru_cache(maxsize=1)
@@ -461,14 +433,14 @@ class SlowLinkNet:
         """Give ``ns`` its own TCP congestion control (a per-namespace sysctl); None keeps the one it inherited."""
         if self._congestion is None:
             return
-        setting = f"{_CC_SYSCTL}={self._congestion}"
+        setting = f"{CC_SYSCTL}={self._congestion}"
         done = _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", setting], check=False)
         if done.returncode != 0:
             allowed = " ".join(allowed_congestion()) or "unknown"
             raise SlowLinkError(
                 f"cannot set {setting} in a namespace ({done.stderr.strip()}); namespaces here may pick: {allowed} "
-                f"({_CC_ALLOWED}); pick one of those, or, as root on the host itself, load the module (modprobe "
-                f"tcp_<name>) and add it to {_CC_ALLOWED}"
+                f"({CC_ALLOWED}); pick one of those, or, as root on the host itself, load the module (modprobe "
+                f"tcp_<name>) and add it to {CC_ALLOWED}"
             )
 
     def _shape(self, ns: str, dev: str, rate_mbit: float) -> None:
@@ -509,7 +481,7 @@ class SlowLinkNet:
     def congestion(self, i: int) -> str:
         """The TCP congestion control host ``i``'s connections use, as its namespace reports it."""
         self._require_up()
-        done = _exec([self._ip, "netns", "exec", self.netns(i), "sysctl", "-n", _CC_SYSCTL])
+        done = _exec([self._ip, "netns", "exec", self.netns(i), "sysctl", "-n", CC_SYSCTL])
         return done.stdout.strip()
 
     def namespaces(self) -> list[str]:
