@@ -279,6 +279,20 @@ def stall_loop_once() -> None:
 GOSSIP_LATE_S = float(_env("PEERD_FAULT_GOSSIP_LATE_S") or 0)
 
 
+# A peer too starved to answer its dial-back in time, the first N times (as one of 64 daemons on 2 cores was): its
+# first N ProbeEcho answers come 2 s late, after the prober's 1.5 s deadline, so it is judged outbound-only though
+# nothing blocks it (peerd/reachability.py re-checks such a verdict).
+ECHO_LATE = [int(_env("PEERD_FAULT_ECHO_LATE") or 0)]
+
+
+async def echo_late() -> None:
+    """Delay this ProbeEcho answer while PEERD_FAULT_ECHO_LATE has answers left to delay."""
+    if ECHO_LATE[0] > 0:
+        ECHO_LATE[0] -= 1
+        logging.getLogger("peerd").warning("fault injection: answering a dial-back probe 2 s late")
+        await asyncio.sleep(2.0)
+
+
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

@@ -44,7 +44,11 @@ PROBE_DIAL_S = 1.5  # a dial-back whose SYN is dropped fails at this deadline (o
 ECHO_TAG = b"peerd-probe-echo\x00"
 NONCE_BYTES = 16
 RECHECK_S = 30.0  # at most one new check per this many seconds
-RECHECK_OUTBOUND_S = 300.0  # outbound-only peers ask again this often (a lost SYN, or a port forwarded since)
+RECHECK_OUTBOUND_S = 300.0  # outbound-only peers ask again at most this far apart (a lost SYN, a port forwarded since)
+# After an outbound-only verdict the first re-check comes RECHECK_S later, and the wait doubles with each verdict that
+# agrees, up to RECHECK_OUTBOUND_S: a dial-back can time out on a starved machine as a NAT's dropped SYNs do (seen with
+# 64 daemons on 2 cores: one peer judged outbound-only at start owned no shard for the whole run), so a false verdict
+# clears in 30 s, while a real NAT costs a few more probes over its first 8 minutes.
 MAX_CONCURRENT_PROBES = 4
 YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
@@ -104,6 +108,7 @@ class Reachability:
         self.seen: dict[str, str] = {}  # our source host as each gossip partner last saw it
         self.limiter = ProbeLimiter()
         self._last_check = -RECHECK_S
+        self._outbound_verdicts = 0  # outbound-only verdicts in a row (the re-check backoff)
         self._task: asyncio.Task | None = None
         self._alone_warned = False
 
@@ -151,9 +156,15 @@ class Reachability:
         else:
             log.info("reachability not checked by %s: %s", address, resp.result[:200])
 
+    def outbound_recheck_s(self) -> float:
+        """How long after the last check an outbound-only peer asks again: RECHECK_S after its first such verdict,
+        doubling with each that agrees, up to RECHECK_OUTBOUND_S."""
+        return min(RECHECK_OUTBOUND_S, RECHECK_S * 2 ** max(self._outbound_verdicts - 1, 0))
+
     def _set(self, state: str, address: str) -> None:
         d = self.d
         changed = state != self.state
+        self._outbound_verdicts = self._outbound_verdicts + 1 if state == OUTBOUND_ONLY else 0
         self.state, self.address = state, address
         flag = state == OUTBOUND_ONLY
         if state == OUTBOUND_ONLY:
@@ -180,11 +191,11 @@ class Reachability:
             self._spawn(peer)
 
     def tick(self, alive: Iterable[pb.PeerInfo]) -> None:
-        """Once per gossip interval: without a verdict, or every RECHECK_OUTBOUND_S while outbound-only, ask a
-        random reachable peer to dial us back."""
+        """Once per gossip interval: without a verdict, or while outbound-only once `outbound_recheck_s` passed, ask
+        a random reachable peer to dial us back."""
         if self.state == REACHABLE:
             return
-        if self.state == OUTBOUND_ONLY and time.monotonic() - self._last_check < RECHECK_OUTBOUND_S:
+        if self.state == OUTBOUND_ONLY and time.monotonic() - self._last_check < self.outbound_recheck_s():
             return
         peers = [p for p in alive if dialable(p)]
         if peers:

@@ -175,6 +175,7 @@ class MembershipService(rpc.MembershipServicer):
         return await self.reach.serve_probe(request, sender, context.peer())
 
     async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:
+        await faults.echo_late()
         signature = self.reach.echo(request)
         if signature is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "ProbeEcho: no probe of ours in flight uses this nonce")

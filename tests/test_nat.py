@@ -122,6 +122,34 @@ def test_a_changed_observed_address_triggers_a_new_check() -> None:
     asyncio.run(scenario())
 
 
+def test_an_outbound_only_verdict_is_checked_again_after_30_s_then_at_doubling_intervals() -> None:
+    """A dial-back times out on a starved machine as it does behind a NAT: with 64 daemons on 2 cores one peer was
+    judged outbound-only at start and, re-checked only every 300 s, owned no shard for the whole run. The first
+    re-check now comes after RECHECK_S; each verdict that agrees doubles the wait, up to RECHECK_OUTBOUND_S."""
+    import time
+
+    from peerd.reachability import RECHECK_OUTBOUND_S, RECHECK_S
+
+    r = Reachability(_FakeDaemon())  # type: ignore[arg-type]
+    spawned: list[str] = []
+    r._spawn = lambda peer: spawned.append(peer.peer_id)  # type: ignore[method-assign]
+    helper = pb.PeerInfo(peer_id="h" * 32, address="10.0.0.2:7000")
+    waits = []
+    for _ in range(6):
+        r._set(OUTBOUND_ONLY, "1.2.3.4:7000")
+        waits.append(r.outbound_recheck_s())
+    assert waits == [RECHECK_S, 2 * RECHECK_S, 4 * RECHECK_S, 8 * RECHECK_S, RECHECK_OUTBOUND_S, RECHECK_OUTBOUND_S]
+    r._set(REACHABLE, "1.2.3.4:7000")
+    r._set(OUTBOUND_ONLY, "1.2.3.4:7000")  # a new run of verdicts starts over
+    assert r.outbound_recheck_s() == RECHECK_S
+    r._last_check = time.monotonic() - RECHECK_S + 1.0
+    r.tick([helper])
+    assert spawned == []  # not yet
+    r._last_check = time.monotonic() - RECHECK_S - 1.0
+    r.tick([helper])
+    assert spawned == [helper.peer_id]  # 300 s before this change
+
+
 def test_relay_counts_bytes_and_refuses_over_the_per_peer_limit() -> None:
     from peerd.limits import LimitExceeded
     from peerd.relay import BURST_BYTES, RelayServer, _Attached
@@ -286,3 +314,31 @@ def test_swarm_left_with_no_reachable_peer_says_so_and_does_not_train_together(t
         assert log.count("no reachable peer to lead the round") <= 2, log  # one per rendezvous timeout at most
         assert OUTBOUND_LINE in log
         assert all(reachable_id in r["included"] for r in swarm.peers[i].summary()["rounds"])  # none without it
+
+
+@pytest.mark.slow
+def test_a_peer_judged_outbound_only_while_starved_is_dialled_again_half_a_minute_later(tmp_path: Path) -> None:
+    """PEERD_FAULT_ECHO_LATE=1: peer 2 answers its first dial-back after the prober's deadline, as a starved daemon
+    does, and is judged outbound-only at its join. Its re-check 30 s later finds it reachable, and the others' view
+    follows (before, that took 300 s: the rest of a bench run)."""
+    swarm = Swarm(tmp_path, 3, tiny_config(tmp_path, run__outer_steps=500))
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=3))
+        swarm.peers.append(swarm.spawn(1, swarm.peers[0].address, wait_peers=3))
+        swarm.peers.append(swarm.spawn(2, swarm.peers[0].address, wait_peers=3, env={"PEERD_FAULT_ECHO_LATE": "1"}))
+        late = swarm.peers[2]
+        swarm.wait_until(lambda: OUTBOUND_LINE in late.log(), 60, "peer 2 judged outbound-only")
+        judged = time.monotonic()
+        swarm.wait_until(lambda: "reachable at 127.0.0.1:" in late.log(), 75, "peer 2 re-checked and reachable")
+        flipped = time.monotonic() - judged
+        late_id = late.status().peer_id
+
+        def seen_dialable() -> bool:
+            peers = {p.peer_id: p for p in swarm.peers[0].status().peers}
+            return late_id in peers and not peers[late_id].outbound_only
+
+        swarm.wait_until(seen_dialable, 30, "peer 0 to see peer 2 as dialable")
+    finally:
+        swarm.stop()
+    assert "answering a dial-back probe 2 s late" in late.log()
+    assert 20 < flipped < 60, flipped  # RECHECK_S (30 s) after the verdict, give or take a gossip interval
