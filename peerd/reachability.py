@@ -159,7 +159,7 @@ class Reachability:
     def outbound_recheck_s(self) -> float:
         """How long after the last check an outbound-only peer asks again: RECHECK_S after its first such verdict,
         doubling with each that agrees, up to RECHECK_OUTBOUND_S."""
-        return min(RECHECK_OUTBOUND_S, RECHECK_S * 2 ** max(self._outbound_verdicts - 1, 0))
+        return min(RECHECK_OUTBOUND_S, RECHECK_S * 2 ** min(max(self._outbound_verdicts - 1, 0), 16))
 
     def _set(self, state: str, address: str) -> None:
         d = self.d

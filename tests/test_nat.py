@@ -139,6 +139,8 @@ def test_an_outbound_only_verdict_is_checked_again_after_30_s_then_at_doubling_i
         r._set(OUTBOUND_ONLY, "1.2.3.4:7000")
         waits.append(r.outbound_recheck_s())
     assert waits == [RECHECK_S, 2 * RECHECK_S, 4 * RECHECK_S, 8 * RECHECK_S, RECHECK_OUTBOUND_S, RECHECK_OUTBOUND_S]
+    r._outbound_verdicts = 5000  # days behind a NAT: the wait stays capped (2 ** 5000 * 30.0 would overflow)
+    assert r.outbound_recheck_s() == RECHECK_OUTBOUND_S
     r._set(REACHABLE, "1.2.3.4:7000")
     r._set(OUTBOUND_ONLY, "1.2.3.4:7000")  # a new run of verdicts starts over
     assert r.outbound_recheck_s() == RECHECK_S
