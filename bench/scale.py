@@ -190,49 +190,57 @@ def run_size(
         return row
 
 
-def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, int, int, int, int]]]:
+def _round_summaries(swarm: Any, until_step: int) -> list[list[tuple[int, ...]]]:
     """Each peer's recent rounds as (step, fragment, wire bytes and raw bytes it sent, members that owned a shard: the
     members less those the group flagged, group.no_shards, and those the peer knows as outbound-only, which own
-    none either), asked for once every peer logged `until_step` (a Status answer holds a peer's last 16 rounds: a
-    2-peer swarm runs on meanwhile, so ask at once)."""
+    none either; then how many of each of those two kinds), asked for once every peer logged `until_step` (a Status
+    answer holds a peer's last 16 rounds: a 2-peer swarm runs on meanwhile, so ask at once)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with contextlib.suppress(TimeoutError):
         swarm.wait_until(lambda: all(last_step(p.log()) >= until_step for p in swarm.peers), 300, "the last step")
 
-    def ask(peer: Any) -> list[tuple[int, int, int, int, int]]:
+    def ask(peer: Any) -> list[tuple[int, ...]]:
         try:
             st = peer.status(timeout=20.0)
         except Exception:  # a peer that does not answer is left out of the figure, not the bench
             return []
         outbound = {p.peer_id for p in st.peers if p.outbound_only}  # never dialled, so they own no shard either
-        return [
-            (r.step, r.fragment, r.wire_bytes, r.raw_bytes, len(set(r.included) - set(r.no_shards) - outbound))
-            for r in st.recent_rounds
-        ]
+        rows = []
+        for r in st.recent_rounds:
+            members, flagged = set(r.included), set(r.no_shards)
+            owners = members - flagged - outbound
+            rows.append((r.step, r.fragment, r.wire_bytes, r.raw_bytes, len(owners), len(members & flagged),
+                         len((members & outbound) - flagged)))  # fmt: skip
+        return rows
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         return list(pool.map(ask, swarm.peers))
 
 
-def steps_bytes(summaries: list[list[tuple[int, int, int, int, int]]], lo: int, hi: int) -> dict[str, Any]:
+def steps_bytes(summaries: list[list[tuple[int, ...]]], lo: int, hi: int) -> dict[str, Any]:
     """The median over peers of the wire and raw bytes a peer sent per round in the rounds that reached outer steps
     lo..hi, as the logs' "outer step N" lines and the rows' "steps" number them (a round's summary carries the step
     it averaged: N - 1), from each peer's round summaries; only peers that completed every one of those whole-model
     rounds count. Also the fewest shard owners in those rounds: a member the swarm flags slow, or an outbound-only
     one, owns no shard, and each owner then sends its average to more members (S (1 + (n - 2) / owners) per owner
-    for a vector of S bytes, against 2 S (n - 1) / n with every member an owner)."""
-    wire, raw, owners = [], [], []
+    for a vector of S bytes, against 2 S (n - 1) / n with every member an owner), and the most members that owned
+    none for each reason (summaries of seven fields carry the flagged and outbound-only counts)."""
+    wire, raw, owners, flagged, outbound = [], [], [], [0], [0]
     for rounds in summaries:
-        by_step = {step: (w, r, o) for step, frag, w, r, o in rounds if frag < 0 and lo <= step + 1 <= hi}
+        by_step = {row[0]: row[2:] for row in rounds if row[1] < 0 and lo <= row[0] + 1 <= hi}
         if len(by_step) == hi - lo + 1:
-            wire.append(sum(w for w, _, _ in by_step.values()) / len(by_step))
-            raw.append(sum(r for _, r, _ in by_step.values()) / len(by_step))
-            owners.append(min(o for _, _, o in by_step.values()))
+            wire.append(sum(v[0] for v in by_step.values()) / len(by_step))
+            raw.append(sum(v[1] for v in by_step.values()) / len(by_step))
+            owners.append(min(v[2] for v in by_step.values()))
+            flagged += [v[3] for v in by_step.values() if len(v) > 3]
+            outbound += [v[4] for v in by_step.values() if len(v) > 4]
     return {
         "steps_counted": [lo, hi],
         "steps_peers": len(wire),
         "steps_owners_min": min(owners) if owners else None,
+        "steps_no_shard_flagged_max": max(flagged),
+        "steps_no_shard_outbound_max": max(outbound),
         "steps_round_B_per_peer": round(statistics.median(wire)) if wire else None,
         "steps_round_raw_B_per_peer": round(statistics.median(raw)) if raw else None,
     }
@@ -502,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         steps_note = (
             f"over steps {row['steps_counted']} {row['steps_round_B_per_peer']} B/peer "
             f"({row['steps_round_raw_B_per_peer']} before the codec; {row['steps_peers']} peers, at least "
-            f"{row['steps_owners_min']} shard owners), "
+            f"{row['steps_owners_min']} shard owners; owning none, at most {row['steps_no_shard_flagged_max']} "
+            f"flagged and {row['steps_no_shard_outbound_max']} outbound-only), "
             if "steps_counted" in row
             else ""
         )

@@ -137,3 +137,15 @@ def test_steps_bytes_counts_the_same_rounds_at_every_size() -> None:
     assert row["steps_round_raw_B_per_peer"] == 4000
     assert row["steps_owners_min"] == 3  # a member flagged in one of those rounds owned no shard there
     assert steps_bytes([gap], 3, 5)["steps_round_B_per_peer"] is None
+    assert row["steps_no_shard_flagged_max"] == row["steps_no_shard_outbound_max"] == 0  # five fields: not known
+
+
+def test_steps_bytes_says_why_members_owned_no_shard() -> None:
+    """A member judged outbound-only (a dial-back that timed out on the starved machine) owned no shard in the
+    runs of stops 59 and 60, and a row could only say that one did: it now says which kind, flagged or not
+    dialable."""
+    peer_a = [(2, -1, 10, 40, 64, 0, 0), (3, -1, 10, 40, 63, 0, 1), (4, -1, 10, 40, 62, 1, 1)]
+    peer_b = [(2, -1, 12, 40, 64, 0, 0), (3, -1, 12, 40, 64, 0, 0), (4, -1, 12, 40, 63, 0, 1)]
+    row = steps_bytes([peer_a, peer_b], 3, 5)
+    assert row["steps_peers"] == 2 and row["steps_owners_min"] == 62
+    assert row["steps_no_shard_flagged_max"] == 1 and row["steps_no_shard_outbound_max"] == 1
