@@ -19,20 +19,22 @@ def check_congestion(name: object) -> str:
     return name
 
 
+def _sysctl(name: str) -> str | None:
+    """This (root) namespace's value of sysctl `name`, from /proc; None where /proc does not say."""
+    try:
+        return Path("/proc/sys", *name.split(".")).read_text().strip()
+    except OSError:
+        return None
+
+
 def host_congestion() -> str | None:
     """The machine's default TCP congestion control, which a namespace made with ``congestion=None`` inherits; None
     where /proc does not say."""
-    try:
-        return Path("/proc/sys", *CC_SYSCTL.split(".")).read_text().strip()
-    except OSError:
-        return None
+    return _sysctl(CC_SYSCTL)
 
 
 def allowed_congestion() -> list[str]:
     """The congestion controls a namespace may pick for itself: in a container, root outside the machine's first user
     namespace may set only these (the kernel asks CAP_NET_ADMIN there for any other), even where
     tcp_available_congestion_control lists more. Empty where /proc does not say."""
-    try:
-        return Path("/proc/sys", *CC_ALLOWED.split(".")).read_text().split()
-    except OSError:
-        return []
+    return (_sysctl(CC_ALLOWED) or "").split()

@@ -225,16 +225,17 @@ def steps_bytes(summaries: list[list[tuple[int, ...]]], lo: int, hi: int) -> dic
     rounds count. Also the fewest shard owners in those rounds: a member the swarm flags slow, or an outbound-only
     one, owns no shard, and each owner then sends its average to more members (S (1 + (n - 2) / owners) per owner
     for a vector of S bytes, against 2 S (n - 1) / n with every member an owner), and the most members that owned
-    none for each reason (summaries of seven fields carry the flagged and outbound-only counts)."""
+    none for each reason (flagged, outbound-only)."""
     wire, raw, owners, flagged, outbound = [], [], [], [0], [0]
     for rounds in summaries:
-        by_step = {row[0]: row[2:] for row in rounds if row[1] < 0 and lo <= row[0] + 1 <= hi}
+        by_step = {step: rest for step, frag, *rest in rounds if frag < 0 and lo <= step + 1 <= hi}
         if len(by_step) == hi - lo + 1:
-            wire.append(sum(v[0] for v in by_step.values()) / len(by_step))
-            raw.append(sum(v[1] for v in by_step.values()) / len(by_step))
-            owners.append(min(v[2] for v in by_step.values()))
-            flagged += [v[3] for v in by_step.values() if len(v) > 3]
-            outbound += [v[4] for v in by_step.values() if len(v) > 4]
+            cols = list(zip(*by_step.values(), strict=True))  # wire, raw, owners, flagged, outbound-only
+            wire.append(sum(cols[0]) / len(by_step))
+            raw.append(sum(cols[1]) / len(by_step))
+            owners.append(min(cols[2]))
+            flagged.append(max(cols[3]))
+            outbound.append(max(cols[4]))
     return {
         "steps_counted": [lo, hi],
         "steps_peers": len(wire),

@@ -127,17 +127,19 @@ def test_until_step_reads_the_highest_step_a_peer_completed_as_a_member() -> Non
 def test_steps_bytes_counts_the_same_rounds_at_every_size() -> None:
     """--from-step: a row's bytes cover exactly the rounds that reached steps lo..hi (a summary carries the step it
     averaged, one less), whole-model rounds only, and only peers that completed all of them; the median over peers."""
-    full = [(1, -1, 900, 4000, 1), (2, -1, 100, 4000, 4), (3, -1, 200, 4000, 4), (4, -1, 300, 4000, 4)]
-    full.append((5, -1, 9, 9, 1))  # the round that reached step 6: not counted
-    other = [(2, -1, 300, 4000, 4), (3, -1, 400, 4000, 3), (4, -1, 500, 4000, 4), (3, 0, 7, 7, 1)]  # a fragment round
-    gap = [(2, -1, 1, 4000, 2), (4, -1, 1, 4000, 2)]  # sat out (or was restarted at) step 3: left out
+    full = [(1, -1, 900, 4000, 1, 3, 0), (2, -1, 100, 4000, 4, 0, 0), (3, -1, 200, 4000, 4, 0, 0)]
+    full += [(4, -1, 300, 4000, 4, 0, 0), (5, -1, 9, 9, 1, 3, 0)]  # the rounds to steps 2 and 6: not counted
+    other = [(2, -1, 300, 4000, 4, 0, 0), (3, -1, 400, 4000, 3, 1, 0), (4, -1, 500, 4000, 4, 0, 0)]
+    other.append((3, 0, 7, 7, 1, 3, 0))  # a fragment round
+    gap = [(2, -1, 1, 4000, 2, 0, 0), (4, -1, 1, 4000, 2, 0, 0)]  # sat out (or was restarted at) step 3: left out
     row = steps_bytes([full, other, gap, []], 3, 5)
     assert row["steps_counted"] == [3, 5] and row["steps_peers"] == 2
     assert row["steps_round_B_per_peer"] == 300  # the median of 200 (100, 200, 300) and 400 (300, 400, 500)
     assert row["steps_round_raw_B_per_peer"] == 4000
     assert row["steps_owners_min"] == 3  # a member flagged in one of those rounds owned no shard there
     assert steps_bytes([gap], 3, 5)["steps_round_B_per_peer"] is None
-    assert row["steps_no_shard_flagged_max"] == row["steps_no_shard_outbound_max"] == 0  # five fields: not known
+    # that member was flagged; the 3 flagged members of rounds outside steps 3..5 (or of a fragment round) do not count
+    assert row["steps_no_shard_flagged_max"] == 1 and row["steps_no_shard_outbound_max"] == 0
 
 
 def test_steps_bytes_says_why_members_owned_no_shard() -> None:
