@@ -293,6 +293,21 @@ async def echo_late() -> None:
         await asyncio.sleep(2.0)
 
 
+# A helper that does not answer a dial-back request at all, the first N times (a bootstrap peer still starting, or
+# one too starved to answer): its first N Probe calls fail UNAVAILABLE, so the asker has no verdict and must ask again
+# (peerd/reachability.py, RETRY_S).
+PROBE_DROP = [int(_env("PEERD_FAULT_PROBE_DROP") or 0)]
+
+
+def probe_drop() -> bool:
+    """Fail this Probe call while PEERD_FAULT_PROBE_DROP has calls left to fail."""
+    if PROBE_DROP[0] > 0:
+        PROBE_DROP[0] -= 1
+        logging.getLogger("peerd").warning("fault injection: dropping a dial-back probe request")
+        return True
+    return False
+
+
 # Streaming DiLoCo: every fragment exchange counts as landed no earlier than this many seconds after it started (the
 # round itself runs normally): a slow link without a slow link.
 EXCHANGE_DELAY_ENV = "PEERD_FAULT_EXCHANGE_DELAY_S"

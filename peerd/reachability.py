@@ -49,6 +49,9 @@ RECHECK_OUTBOUND_S = 300.0  # outbound-only peers ask again at most this far apa
 # agrees, up to RECHECK_OUTBOUND_S: a dial-back can time out on a starved machine as a NAT's dropped SYNs do (seen with
 # 64 daemons on 2 cores: one peer judged outbound-only at start owned no shard for the whole run), so a false verdict
 # clears in 30 s, while a real NAT costs a few more probes over its first 8 minutes.
+RETRY_S = 2.0  # a probe call that got no answer (the helper was starting, starved or gone) gives no verdict: ask again,
+# another peer where there is one, this long after, doubling with each such failure up to RECHECK_S. Waiting RECHECK_S
+# left a blocked joiner whose pre-join probe failed counted as dialable, and so dialled by everyone, for 30 s.
 MAX_CONCURRENT_PROBES = 4
 YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
@@ -107,7 +110,10 @@ class Reachability:
         self.pending: dict[bytes, float] = {}  # nonces of our probes in flight -> expiry
         self.seen: dict[str, str] = {}  # our source host as each gossip partner last saw it
         self.limiter = ProbeLimiter()
-        self._last_check = -RECHECK_S
+        self._next_check = 0.0  # no new check starts before this monotonic time (RECHECK_S; RETRY_S after a failure)
+        self._failed_calls = 0  # probe calls in a row that got no answer
+        self._failed_address = ""  # the helper the last of those went to: ask another next time
+        self._verdict_at = 0.0  # monotonic time of the last verdict (the outbound-only re-check counts from it)
         self._outbound_verdicts = 0  # outbound-only verdicts in a row (the re-check backoff)
         self._task: asyncio.Task | None = None
         self._alone_warned = False
@@ -136,7 +142,7 @@ class Reachability:
         """Ask the peer at `address` to dial us back; set our flag from its answer."""
         d = self.d
         assert d.channels is not None
-        self._last_check = time.monotonic()
+        self._next_check = time.monotonic() + RECHECK_S
         nonce = os.urandom(NONCE_BYTES)
         self.pending[nonce] = time.monotonic() + PROBE_DIAL_S + 10.0
         req = sign(
@@ -145,10 +151,16 @@ class Reachability:
         try:
             resp = await d.channels.membership(address, peer).Probe(req, timeout=PROBE_DIAL_S + 5.0)
         except grpc.aio.AioRpcError as exc:
-            log.info("reachability probe through %s failed: %s %s", address, exc.code().name, exc.details())
+            self._failed_calls += 1
+            self._failed_address = address
+            retry = min(RECHECK_S, RETRY_S * 2 ** min(self._failed_calls - 1, 16))
+            self._next_check = time.monotonic() + retry
+            log.info("reachability probe through %s failed: %s %s (asking again in %.0fs)", address, exc.code().name,
+                     exc.details(), retry)  # fmt: skip
             return
         finally:
             self.pending.pop(nonce, None)
+        self._failed_calls, self._failed_address = 0, ""
         if resp.result == "reachable":
             self._set(REACHABLE, resp.address or d.me.address)
         elif resp.result == "unreachable":
@@ -164,6 +176,7 @@ class Reachability:
     def _set(self, state: str, address: str) -> None:
         d = self.d
         changed = state != self.state
+        self._verdict_at = time.monotonic()
         self._outbound_verdicts = self._outbound_verdicts + 1 if state == OUTBOUND_ONLY else 0
         self.state, self.address = state, address
         flag = state == OUTBOUND_ONLY
@@ -195,16 +208,17 @@ class Reachability:
         a random reachable peer to dial us back."""
         if self.state == REACHABLE:
             return
-        if self.state == OUTBOUND_ONLY and time.monotonic() - self._last_check < self.outbound_recheck_s():
+        if self.state == OUTBOUND_ONLY and time.monotonic() - self._verdict_at < self.outbound_recheck_s():
             return
         peers = [p for p in alive if dialable(p)]
+        others = [p for p in peers if p.address != self._failed_address]  # rather not the helper that did not answer
         if peers:
-            self._spawn(random.choice(peers))
+            self._spawn(random.choice(others or peers))
 
     def _spawn(self, peer: pb.PeerInfo) -> None:
-        if (self._task is not None and not self._task.done()) or time.monotonic() - self._last_check < RECHECK_S:
+        if (self._task is not None and not self._task.done()) or time.monotonic() < self._next_check:
             return
-        self._last_check = time.monotonic()
+        self._next_check = time.monotonic() + RECHECK_S
         self._task = asyncio.ensure_future(self.check(peer.address, peer))
 
     def dial_targets(self, peers: Iterable[pb.PeerInfo]) -> list[pb.PeerInfo]:

@@ -172,6 +172,8 @@ class MembershipService(rpc.MembershipServicer):
     async def Probe(self, request: pb.ProbeRequest, context: grpc.aio.ServicerContext) -> pb.ProbeResponse:
         """Dial the sender back at its address (peerd/reachability.py)."""
         sender = await self.checks.verify(request, "Probe", context)
+        if faults.probe_drop():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injection: probe dropped")
         return await self.reach.serve_probe(request, sender, context.peer())
 
     async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:

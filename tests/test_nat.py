@@ -104,7 +104,6 @@ def test_a_changed_observed_address_triggers_a_new_check() -> None:
         asked.append(address)
 
     r.check = check  # type: ignore[method-assign]
-    r._last_check = -1e9
     peer = pb.PeerInfo(peer_id="p" * 32, address="10.0.0.9:7000")
 
     async def scenario() -> None:
@@ -144,12 +143,57 @@ def test_an_outbound_only_verdict_is_checked_again_after_30_s_then_at_doubling_i
     r._set(REACHABLE, "1.2.3.4:7000")
     r._set(OUTBOUND_ONLY, "1.2.3.4:7000")  # a new run of verdicts starts over
     assert r.outbound_recheck_s() == RECHECK_S
-    r._last_check = time.monotonic() - RECHECK_S + 1.0
+    r._verdict_at = time.monotonic() - RECHECK_S + 1.0
     r.tick([helper])
     assert spawned == []  # not yet
-    r._last_check = time.monotonic() - RECHECK_S - 1.0
+    r._verdict_at = time.monotonic() - RECHECK_S - 1.0
     r.tick([helper])
     assert spawned == [helper.peer_id]  # 300 s before this change
+
+
+def test_a_probe_call_without_an_answer_is_retried_within_seconds_through_another_peer() -> None:
+    """A probe call that fails (the helper was starting, starved or gone) says nothing about us. In a namespace run
+    under load, a blocked joiner's pre-join probe met a bootstrap not yet listening, and the first peer's probe went
+    to a starved helper: both stayed without a verdict for RECHECK_S (30 s), and the blocked one was dialled by
+    everyone meanwhile. Now the next check may start RETRY_S later, doubling per failure, and goes to another peer."""
+    import asyncio
+
+    import grpc
+
+    from peerd.reachability import RECHECK_S, RETRY_S
+
+    class _Stub:
+        async def Probe(self, req: Any, timeout: float) -> Any:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+    class _Channels:
+        def membership(self, address: str, peer: Any = None) -> _Stub:
+            return _Stub()
+
+    d: Any = _FakeDaemon()
+    d.channels = _Channels()
+    r = Reachability(d)
+    starved = pb.PeerInfo(peer_id="s" * 32, address="10.0.0.2:7000")
+    other = pb.PeerInfo(peer_id="o" * 32, address="10.0.0.3:7000")
+
+    async def scenario() -> list[float]:
+        waits = []
+        for _ in range(6):
+            await r.check(starved.address, starved)
+            waits.append(r._next_check - time.monotonic())
+        return waits
+
+    waits = asyncio.run(scenario())
+    assert r.state == "unknown" and not r.pending
+    expected = [RETRY_S * 2**i for i in range(5)] + [RECHECK_S]
+    assert all(abs(w - e) < 0.5 for w, e in zip(waits, [min(e, RECHECK_S) for e in expected], strict=True)), waits
+    spawned: list[str] = []
+    r._spawn = lambda peer: spawned.append(peer.address)  # type: ignore[method-assign]
+    for _ in range(20):
+        r.tick([starved, other])
+    assert set(spawned) == {other.address}  # not the helper that did not answer
+    r.tick([starved])
+    assert spawned[-1] == starved.address  # unless it is the only one
 
 
 def test_relay_counts_bytes_and_refuses_over_the_per_peer_limit() -> None:
@@ -344,3 +388,23 @@ def test_a_peer_judged_outbound_only_while_starved_is_dialled_again_half_a_minut
         swarm.stop()
     assert "answering a dial-back probe 2 s late" in late.log()
     assert 20 < flipped < 60, flipped  # RECHECK_S (30 s) after the verdict, give or take a gossip interval
+
+
+@pytest.mark.slow
+def test_a_joiner_whose_probe_got_no_answer_has_its_verdict_seconds_later(tmp_path: Path) -> None:
+    """PEERD_FAULT_PROBE_DROP=1 on peer 0: the pre-join probe of peer 1, which joins through it, fails as one to a
+    starting or starved bootstrap peer does. Peer 1 asks again a couple of seconds later (it waited 30 s before)."""
+    swarm = Swarm(tmp_path, 2, tiny_config(tmp_path, run__outer_steps=500))
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=2, env={"PEERD_FAULT_PROBE_DROP": "1"}))
+        swarm.peers.append(swarm.spawn(1, swarm.peers[0].address, wait_peers=2))
+        joiner = swarm.peers[1]
+        swarm.wait_until(lambda: "reachability probe through" in joiner.log(), 60, "peer 1's probe to fail")
+        failed = time.monotonic()
+        swarm.wait_until(lambda: "reachable at 127.0.0.1:" in joiner.log(), 40, "peer 1's verdict")
+        took = time.monotonic() - failed
+    finally:
+        swarm.stop()
+    assert "fault injection: dropping a dial-back probe request" in swarm.peers[0].log()
+    assert "UNAVAILABLE" in joiner.log() and "asking again in 2s" in joiner.log(), joiner.log_tail()
+    assert took < 15, took  # RETRY_S (2 s) and a gossip interval, not RECHECK_S (30 s)
