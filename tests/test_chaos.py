@@ -1,0 +1,80 @@
+"""Everything the internet does, in one run: a volunteer behind NAT, one on a slow asymmetric line, kill -9 and
+restarts (the NAT'd peer's included), a network split, and a cut link, all during one DiLoCo run in network
+namespaces. The run must end on one model, every peer finished, every round honest about whom it had.
+
+The faults follow the run's own steps (peer 0's log), not the clock, so they land mid-run on any machine. Needs root
+for the namespaces (CI runs as root); skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_partition import PACE, _check_honest, _config, _logged_step, _wait_step, needs_netns
+from tests.test_swarm_diloco import assert_identical_globals
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+STEPS = 80
+NAT, SLOW = 4, 3  # peer 4 cannot be dialled; peer 3 sends at 5 Mbit/s and receives at 50
+
+
+@needs_netns
+def test_nat_slow_line_churn_split_and_cut_in_one_run_end_in_one_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.netfaults import FaultNet
+    from tests.netswarm import NetSwarm
+
+    monkeypatch.setenv(*PACE)
+    cfg = _config(tmp_path, "diloco", steps=STEPS, codec__name="int8")
+    up = [50.0] * 5
+    up[SLOW] = 5.0
+    with FaultNet(5, up, down_rate_mbit=[50.0] * 5) as net:
+        net.block_inbound(NAT)
+        with NetSwarm(tmp_path, 5, cfg, net=net) as swarm:
+
+            def at(step: int) -> None:
+                swarm.wait_until(lambda: _logged_step(swarm.peers[0]) >= step, 180, f"step {step}")
+
+            _wait_step(swarm, 2, 120)
+            at(6)
+            swarm.restart(2, bootstrap=swarm.address(0))  # kill -9, back on its data dir
+            at(12)
+            net.partition([[0, 1, NAT], [2, SLOW]])  # a few seconds are many steps of the tiny model
+            time.sleep(8.0)
+            net.heal()
+            at(_logged_step(swarm.peers[0]) + 12)
+            net.cut(1)
+            time.sleep(5.0)
+            net.restore(1)
+            at(_logged_step(swarm.peers[0]) + 12)
+            swarm.restart(NAT, bootstrap=swarm.address(0))  # the NAT'd volunteer's machine crashes and comes back
+            swarm.wait_exit(300)
+        assert net.syns_dropped(NAT) > 0  # the block held: its dial-back probes, at least, met it
+    summaries = [p.summary() for p in swarm.peers]
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+    _check_honest(summaries)
+    assert all(s["outer_step"] == STEPS and s["finished"] for s in summaries), [
+        (s["outer_step"], s["finished"]) for s in summaries
+    ]
+    # the split and the cut showed, in the summaries of the processes that lived through them: rounds without the
+    # other side are partial, and peer 1, cut off alone, took solo steps
+    assert all(summaries[i]["rounds_partial"] > 0 for i in (0, 1, 2, SLOW))
+    assert summaries[1]["solo_steps"] > 0
+    assert sum(s["forks_healed"] + s["state_downloads"] for s in summaries) >= 2  # the split's loser, peer 1's solo run
+    nat_id = summaries[NAT]["peer_id"]
+    for i, p in enumerate(swarm.peers):
+        log = p.log()
+        assert "sent invalid data" not in log and "banned" not in log, p.log_tail()
+        assert ("not reachable from outside" in log) == (i == NAT), p.log_tail()
+        # nobody tried to lead a round through the NAT'd peer: it is never dialled
+        assert f"round leader {nat_id[:8]}" not in log, p.log_tail()
+    # the NAT'd peer trained with the others, not alone, before and after its restart (its log holds both processes)
+    nat_log = swarm.peers[NAT].log()
+    assert "no reachable peer in the swarm" not in nat_log
+    assert len(re.findall(r"outer step \d+ \|.*\| peers [2-5]/", nat_log)) > STEPS // 2, nat_log[-3000:]
