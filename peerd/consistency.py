@@ -49,6 +49,17 @@ def claim_of(info: pb.PeerInfo, step: int | None = None) -> Claim:
     return Claim(int(info.work), int(info.outer_step if step is None else step), bytes(info.state_digest), info.peer_id)
 
 
+def lineage_verdict(ours: tuple[int, bytes], lineage: Iterable[tuple[int, bytes]]) -> bool | None:
+    """Was the state we held (step, digest) an ancestor of a state with this lineage (its ancestors' (step, digest),
+    peerd/statesync.py)? True: we were only behind. False: ours had diverged from it, as a split's losing half or a
+    peer that trained alone has. None: its lineage does not reach back to our step, so it cannot tell."""
+    step, digest = ours
+    for s, d in lineage:
+        if s == step:
+            return d == digest
+    return None
+
+
 def best_claim(mine: Claim, others: Iterable[Claim]) -> Claim:
     """The canonical claim among ours and the others' (claims with no digest yet are ignored)."""
     best = mine

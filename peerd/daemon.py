@@ -53,7 +53,7 @@ from peerd.service import MembershipService, RoundsService, StateService
 from peerd.shutdown import DRAIN_S
 from peerd.sponsor import SponsorDesk
 from peerd.startbarrier import StartBarrier, start_together
-from peerd.statesync import StateSnapshot, part_digests
+from peerd.statesync import LINEAGE_STEPS, Lineage, StateSnapshot, part_digests
 from peerd.streams import StreamError
 from peerd.timings import SwarmTimings
 from peerd.v1 import peerd_pb2 as pb
@@ -145,6 +145,8 @@ class Daemon:
         )
         self.timing = SwarmTimings(self.me)  # slow/faulty peers from their timings (peerd/timings.py)
         self.snapshot: StateSnapshot | None = None
+        self.published: tuple[int, bytes, Lineage] | None = None  # (step, digest, lineage) last published
+        self._adopted: tuple[bytes, Lineage] | None = None  # (digest, lineage) of the last state downloaded
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="peerd-codec")
         self._metrics_server: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -469,8 +471,11 @@ class Daemon:
 
     # -- state ---------------------------------------------------------------------------------------------------
     def publish(self, snapshot: StateSnapshot, finished: bool = False) -> None:
-        """Make `snapshot` the state we serve, and gossip its claim (work, step, digest) and whether we are done."""
+        """Make `snapshot` the state we serve, and gossip its claim (work, step, digest) and whether we are done.
+        Called from the training thread only, which also keeps the lineage the state is served with."""
         digest = snapshot.digest
+        snapshot.lineage = self._lineage_of(snapshot, digest)
+        self.published = (snapshot.step, digest, snapshot.lineage)
         parts = part_digests(snapshot.tensors, snapshot.parts) if snapshot.parts else []
 
         def apply() -> None:
@@ -485,6 +490,24 @@ class Daemon:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(apply)
         self.status.outer_step = snapshot.step
+
+    def adopted(self, snapshot: StateSnapshot) -> None:
+        """A downloaded state became ours: it keeps the lineage its server sent when we publish it."""
+        self._adopted = (snapshot.digest, snapshot.lineage or ())
+
+    def _lineage_of(self, snapshot: StateSnapshot, digest: bytes) -> Lineage:
+        """Its ancestors: an adopted state's come with it; otherwise the state we published before is the last
+        ancestor (Streaming publishes several states within a step: the last one of each step counts)."""
+        if snapshot.lineage is not None:
+            return snapshot.lineage
+        if self._adopted is not None and self._adopted[0] == digest:
+            return self._adopted[1]
+        if self.published is None:
+            return ()
+        step, prev, lineage = self.published
+        if step < snapshot.step:
+            return ((step, prev), *lineage)[:LINEAGE_STEPS]
+        return lineage
 
     def canonical(self, min_step: int = -1) -> Claim | None:
         """The live peers' best state claim when it outranks ours (peerd/consistency.py), else None. Called from the

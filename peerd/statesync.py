@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,13 +28,19 @@ class StateSnapshot:
     tensors: dict[str, torch.Tensor]
     work: int = 0  # peer-rounds behind this state (peerd/consistency.py)
     parts: list[Ranges] | None = None  # Streaming: each fragment's element ranges in the flat state tensors
+    # (step, digest) of this state's ancestors, most recent first (peerd/consistency.py, `lineage_verdict`); None: not
+    # known yet (the daemon derives it from the state it published before, when it publishes this one)
+    lineage: Lineage | None = None
 
-    @property
+    @cached_property
     def digest(self) -> bytes:
+        """Hashed once: the tensors are never mutated after publishing, and a large state takes a while to hash."""
         return state_digest(self.step, self.tensors, self.work)
 
 
 Ranges = list[tuple[int, int]]  # (offset, length) pairs of elements in a flat tensor
+Lineage = tuple[tuple[int, bytes], ...]
+LINEAGE_STEPS = 64  # ancestors a state carries: a peer further behind than this cannot tell lag from a fork
 MAX_RANGES = 1 << 16  # a request asking for more slices than this is refused
 
 
@@ -104,6 +111,7 @@ def state_messages(
         work=snapshot.work,
         ranges=[v for pair in ranges or () for v in pair],
         next_digest=next_digest,
+        lineage=[pb.StepDigest(step=step, digest=d) for step, d in snapshot.lineage or ()],
     )
     yield pb.StateMessage(header=header)
     for blob in blobs:
@@ -147,6 +155,10 @@ async def read_state(
         raise StreamError("malformed", "state stream carries other ranges than the ones asked for")
     if header.total_bytes != sum(sizes):
         raise StreamError("malformed", "state header's total size does not match its tensors")
+    if len(header.lineage) > LINEAGE_STEPS or any(
+        len(e.digest) != 32 or not 0 <= e.step < header.outer_step for e in header.lineage
+    ):
+        raise StreamError("malformed", "state header's lineage is too long, or names a step or digest that cannot be")
     buf = bytearray()
     trailer = None
     async for msg in messages:
@@ -185,7 +197,8 @@ async def read_state(
     d = digest.digest()
     if trailer.digest != d or not verify(sender_key, trailer.signature, d):
         raise StreamError("bad_signature", "state payload does not match the sender's signed digest")
-    snap = StateSnapshot(header.outer_step, tensors, int(header.work))
+    lineage = tuple((int(e.step), bytes(e.digest)) for e in header.lineage)
+    snap = StateSnapshot(header.outer_step, tensors, int(header.work), lineage=lineage)
     if snap.digest != header.state_digest:
         raise StreamError("bad_digest", "state digest does not match its contents")
     return snap

@@ -23,6 +23,7 @@ from peerd import faults
 from peerd.algorithm import OuterAlgorithm, StepDone, Trainer
 from peerd.allreduce import RoundFailed
 from peerd.config import RunConfig
+from peerd.consistency import lineage_verdict
 from peerd.daemon import Daemon
 from peerd.ddp import DataParallel
 from peerd.diloco import DiLoCo
@@ -226,6 +227,13 @@ class Worker:
 
     def adopt(self, snap: StateSnapshot, why: str) -> None:
         """Take a downloaded state as ours. `why`: behind, fork or start (counted in status and metrics)."""
+        # not lag but a fork when the state we held is not among the new one's ancestors (a split's losing half)
+        held = self.daemon.published
+        if self.ranked and why != "fork" and held and lineage_verdict(held[:2], snap.lineage or ()) is False:
+            log.warning("split-brain: our state at step %d had diverged from the one adopted (step %d): the steps "
+                        "since then are lost", held[0], snap.step)  # fmt: skip
+            why = "fork"
+        self.daemon.adopted(snap)
         if why == "fork":
             self.daemon.status.forks_healed += 1
         if self.daemon.metrics is not None:

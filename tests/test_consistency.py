@@ -184,3 +184,41 @@ def test_a_state_download_asks_the_best_claim_first_then_the_fastest_uplink() ->
     rates = {"slow": 250e3, "fast": 50e6}
     order = holder_order([slow, unmeasured, fast, better], lambda pid: rates.get(pid, 0.0))
     assert [p.peer_id for p in order] == ["better", "fast", "slow", "new"]
+
+
+def test_a_state_names_its_ancestors_so_a_downloader_tells_lag_from_a_fork() -> None:
+    """A split's losing half is often behind the winner too, so "behind" used to be its verdict and the fork went
+    uncounted (a 5-peer namespace run: the 2-peer side adopted a state 35 steps ahead with forks_healed 0). A state
+    now carries its ancestors' (step, digest), and the downloader checks whether the state it held is among them."""
+    import pytest
+    import torch
+
+    from peerd.consistency import lineage_verdict
+    from peerd.statesync import LINEAGE_STEPS, StateSnapshot, read_state, state_messages
+    from peerd.streams import StreamError
+
+    ident = Identity.generate()
+    lineage = tuple((s, bytes([s]) * 32) for s in range(9, 2, -1))  # steps 9..3, most recent first
+    snap = StateSnapshot(10, {"params": torch.arange(4.0)}, work=20, lineage=lineage)
+
+    def fetch(header_lineage: list[pb.StepDigest] | None = None) -> StateSnapshot:
+        async def stream():
+            for m in state_messages(snap, ident, 64):
+                if header_lineage is not None and m.WhichOneof("part") == "header":
+                    del m.header.lineage[:]
+                    m.header.lineage.extend(header_lineage)
+                yield m
+
+        return asyncio.run(read_state(stream(), {"params": (4,)}, ident.public_key))
+
+    got = fetch()
+    assert got.lineage == lineage and got.digest == snap.digest
+    assert lineage_verdict((7, bytes([7]) * 32), got.lineage) is True  # an ancestor: we were behind
+    assert lineage_verdict((7, b"x" * 32), got.lineage) is False  # our step 7 was another state: we had forked
+    assert lineage_verdict((1, bytes([1]) * 32), got.lineage) is None  # older than it reaches: cannot tell
+    assert lineage_verdict((10, b"y" * 32), ()) is None
+    too_long = [pb.StepDigest(step=s % 10, digest=b"d" * 32) for s in range(LINEAGE_STEPS + 1)]
+    for bad in (too_long, [pb.StepDigest(step=3, digest=b"short")], [pb.StepDigest(step=10, digest=b"d" * 32)]):
+        with pytest.raises(StreamError) as info:
+            fetch(bad)
+        assert info.value.reason == "malformed"

@@ -542,7 +542,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "work", "ranges", "next_digest")
+    __slots__ = ("outer_step", "tensors", "total_bytes", "state_digest", "work", "ranges", "next_digest", "lineage")
     OUTER_STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -550,6 +550,7 @@ class StateHeader(_message.Message):
     WORK_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     NEXT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     outer_step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
@@ -557,7 +558,16 @@ class StateHeader(_message.Message):
     work: int
     ranges: _containers.RepeatedScalarFieldContainer[int]
     next_digest: bytes
-    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ..., next_digest: _Optional[bytes] = ...) -> None: ...
+    lineage: _containers.RepeatedCompositeFieldContainer[StepDigest]
+    def __init__(self, outer_step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., work: _Optional[int] = ..., ranges: _Optional[_Iterable[int]] = ..., next_digest: _Optional[bytes] = ..., lineage: _Optional[_Iterable[_Union[StepDigest, _Mapping]]] = ...) -> None: ...
+
+class StepDigest(_message.Message):
+    __slots__ = ("step", "digest")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    digest: bytes
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class StateMessage(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
