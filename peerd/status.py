@@ -108,7 +108,7 @@ def format_status(st: pb.StatusResponse) -> str:
         + ", "
         f"{st.rejected_messages} rejected messages, {st.solo_steps} solo steps",
         f"state      {st.work} peer-rounds of work; adopted another peer's state {st.state_downloads} times "
-        f"({st.forks_healed} after a split)",
+        f"({st.forks_healed} of them replacing a forked state of ours)",
     ]
     if st.algorithm == "ensemble":
         lines.append("ensemble   an independent expert on its own data: no parameter exchange, by design")
