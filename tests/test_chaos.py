@@ -66,11 +66,14 @@ def test_nat_slow_line_churn_split_and_cut_in_one_run_end_in_one_model(
     assert all(s["outer_step"] == STEPS and s["finished"] for s in summaries), [
         (s["outer_step"], s["finished"]) for s in summaries
     ]
-    # the split showed, in the summaries of the processes that lived through it: rounds without the other side are
-    # partial, and the smaller side's state (less work behind it) lost to the larger side's: a fork, counted
+    # the split showed, in the summaries of the processes that lived through it (peers 0, 2 and 3): rounds without
+    # the other side are partial, and the losing side counted a fork. The larger side adds 3 peer-rounds of work a
+    # step against 2, so it wins unless it ran far slower; either way exactly one side counted it. (Under load peer 2
+    # may still be catching up from its restart when the split comes: then it took no step of its own, and peer 3
+    # alone forked.)
     assert all(summaries[i]["rounds_partial"] > 0 for i in (0, 2, SLOW))
-    assert all(summaries[i]["forks_healed"] >= 1 for i in (2, SLOW)), [s["forks_healed"] for s in summaries]
-    assert summaries[0]["forks_healed"] == 0  # the winning side never forked
+    smaller_lost = any(summaries[i]["forks_healed"] >= 1 for i in (2, SLOW))
+    assert smaller_lost != (summaries[0]["forks_healed"] >= 1), [s["forks_healed"] for s in summaries]
     # restarted behind the swarm on a checkpoint of its solo steps, peer 1 held no ancestor of the swarm's state: a
     # fork too, though it only looked behind (counted as plain lag before states named their ancestors)
     assert summaries[1]["forks_healed"] == 1, summaries[1]
