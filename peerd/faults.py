@@ -115,6 +115,23 @@ def start_delay() -> float:
 # Stall every state download this peer serves for this many seconds before the first chunk (a slow or hung server),
 # so tests can stop a joiner while it waits in a state download.
 STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)
+# Only the first N downloads served stall (0: every one): a holder whose link goes silent mid-download, then comes back.
+STATE_STALL_N = [int(_env("PEERD_FAULT_STATE_STALL_N") or 0)]
+
+
+def state_stall_s() -> float:
+    """Seconds to stall this download before its header (PEERD_FAULT_STATE_STALL_S, for the first
+    PEERD_FAULT_STATE_STALL_N downloads or every one)."""
+    if not STATE_STALL_S:
+        return 0.0
+    if STATE_STALL_N[0] == 0:
+        return STATE_STALL_S
+    if STATE_STALL_N[0] > 0:
+        STATE_STALL_N[0] -= 1
+        if STATE_STALL_N[0] == 0:
+            STATE_STALL_N[0] = -1  # used up
+        return STATE_STALL_S
+    return 0.0
 
 
 # Refuse every inbound call but Status (which the local user asks): a peer behind a NAT or firewall, simulated without

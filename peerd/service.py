@@ -441,8 +441,10 @@ class StateService(rpc.StateServicer):
                 ranges = check_ranges(list(request.ranges), sizes.pop())
             except StreamError as exc:
                 await self.checks.refuse(context, exc.reason, grpc.StatusCode.INVALID_ARGUMENT, f"Download: {exc}")
-        if faults.STATE_STALL_S:
-            await asyncio.sleep(faults.STATE_STALL_S)
+        stall = faults.state_stall_s()
+        if stall:
+            log.warning("fault injection: stalling a state download for %.0fs", stall)
+            await asyncio.sleep(stall)
         for msg in state_messages(snap, self.identity, self.cfg.network.chunk_bytes, ranges):
             self.count_sent("state", len(msg.chunk), len(msg.chunk))
             yield msg

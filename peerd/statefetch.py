@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
 from peerd.allreduce import RoundFailed
+from peerd.channels import end_call
 from peerd.consistency import claim_of, outranks
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -39,6 +40,27 @@ def differing_ranges(
     return ranges or None
 
 
+STALL_MIN_S = 10.0
+
+
+def stall_limit(peer_timeout: float) -> float:
+    """How long a download may go without a message before we try the next holder: a link cut in silence sends no
+    reset, and the call's own deadline (the whole download's, network.round_timeout: 120 s) held a joiner on a holder
+    cut off mid-download for all of it, though another holder of the same state was a reachable peer away."""
+    return max(2.0 * peer_timeout, STALL_MIN_S)
+
+
+async def _paced(call: Any, stall_s: float) -> AsyncIterator[pb.StateMessage]:
+    """The call's messages; TimeoutError once `stall_s` passes without one."""
+    messages = call.__aiter__()
+    while True:
+        try:
+            msg = await asyncio.wait_for(messages.__anext__(), stall_s)
+        except StopAsyncIteration:
+            return
+        yield msg
+
+
 def holder_order(live: list[pb.PeerInfo], rate: Callable[[str], float]) -> list[pb.PeerInfo]:
     """Whom to download from, in turn: the highest-ranked claim first (the split-brain rule), then, among holders of
     that same state (equal rank means equal digest), the fastest uplink we measured in rounds (`rate`: bytes/s, 0 when
@@ -61,6 +83,7 @@ async def fetch_state(
     fragments whose gossiped digests differ from ours are downloaded and patched in."""
     assert d.channels is not None
     deadline = time.monotonic() + timeout
+    stall_s = stall_limit(d.cfg.network.peer_timeout)
     errors: list[str] = []
     # Our own part digests do not change while we download: computed once, not once per candidate holder.
     mine_parts = part_digests(base, parts) if base and parts else None
@@ -82,9 +105,14 @@ async def fetch_state(
             req = sign(pb.StateRequest(min_step=min_step, ranges=flat), "Download", d.identity, d.run_id)
             call = d.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
             try:
-                snap = await read_state(call.__aiter__(), expected, p.public_key, base, ranges)
+                snap = await read_state(_paced(call, stall_s), expected, p.public_key, base, ranges)
                 if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
                     raise StreamError("bad_digest", "served state does not match the digest it gossiped")
+            except TimeoutError:
+                end_call(call)
+                log.info("state download from %s stalled for %.0fs: trying the next holder", p.peer_id[:8], stall_s)
+                errors.append(f"{p.peer_id[:8]}: stalled for {stall_s:.0f}s")
+                continue
             except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
                 errors.append(f"{p.peer_id[:8]}: {exc}")
                 if isinstance(exc, StreamError):

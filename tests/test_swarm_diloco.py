@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,26 @@ def test_restart_of_an_unfinished_peer_with_nobody_to_join_fails_clearly(tmp_pat
     again = swarm.spawn(1, swarm.peers[0].address, config=longer, extra=["--join-timeout", "1.5"])
     assert again.wait(60) == 1
     assert "no bootstrap peer answered" in again.log()
+
+
+def test_a_state_download_that_stalls_moves_on_to_the_next_holder(tmp_path: Path) -> None:
+    """A holder whose link goes silent mid-download sends no reset: the joiner waited on it for the whole download's
+    deadline (network.round_timeout, 60 s here) though the other holder of the same state was up. Each holder stalls
+    the first download it serves (PEERD_FAULT_STATE_STALL_N=1), so whichever the joiner asks first stalls, then the
+    other; after each stall limit (statefetch.stall_limit: 10 s here) it moves on, and the third ask is served."""
+    from peerd.statefetch import stall_limit
+
+    stall = {"PEERD_FAULT_STATE_STALL_S": "300", "PEERD_FAULT_STATE_STALL_N": "1", "PEERD_FAULT_STEP_DELAY_S": "0.08"}
+    cfg = tiny_config(tmp_path, run__outer_steps=0, network__round_timeout=60.0, network__peer_timeout=3.0)
+    limit = stall_limit(3.0)
+    swarm = Swarm(tmp_path, 2, cfg, env=stall)
+    with swarm:
+        swarm.wait_until(lambda: swarm.peers[0].status().outer_step >= 3, 120, "step 3")
+        late = swarm.add_peer(env={"PEERD_FAULT_STEP_DELAY_S": "0.08"})
+        swarm.wait_until(lambda: "downloading state" in late.log(), 60, "the joiner's download")
+        asked = time.monotonic()
+        swarm.wait_until(lambda: "downloaded state at step" in late.log(), 2 * limit + 25, "the download, served")
+        took = time.monotonic() - asked
+    assert late.log().count("stalled for 10s: trying the next holder") == 2, late.log()[-3000:]
+    assert sum("stalling a state download" in p.log() for p in swarm.peers[:2]) == 2
+    assert took < 2 * limit + 25, took  # not the 60 s deadline of the first ask
