@@ -115,6 +115,15 @@ class RendezvousLeader:
         pend = self.pending.get(key)
         if pend is None:
             done = self.closed.get(key)
+            if done is not None and not done.members and fragment < 0 and not behind_me and not self._past(step):
+                # Closed empty (we or gossip had gone past `step` then, as on_ahead and _close judged) and nobody is
+                # past it now: no round ran, so that group proves nothing. After a split healed, a leader that had
+                # led its side to a later step and then adopted the other side's state kept its empty group for that
+                # state's step, and told every peer "behind" there for good: 5 peers at one state, none training.
+                del self.closed[key]
+                attempt, done = done.attempt + 1, None
+            else:
+                attempt = 0 if done is None else done.attempt + 1
             if done is not None and failed_round != done.round_id:
                 if any(m.peer_id == info.peer_id and m.incarnation == info.incarnation for m in done.members):
                     return pb.RendezvousResponse(group=done)  # a member asking again; a restarted one is behind
@@ -123,7 +132,7 @@ class RendezvousLeader:
                 return pb.RendezvousResponse(behind=self.my_step())
             if fragment >= 0 and self._majority_elsewhere(key):
                 return pb.RendezvousResponse(behind=step + 1)
-            pend = self._open(key, 0 if done is None else done.attempt + 1)
+            pend = self._open(key, attempt)
         # Who is kept out of the group even if it asks to join: a peer the leader blames (from its own failed
         # attempts at this step), or one that two members blame on their own evidence. A corrupt sender otherwise
         # rejoined every retry until it was banned. One joiner's word neither keeps a peer out nor stops us waiting
@@ -254,6 +263,11 @@ class RendezvousLeader:
                 self._close(key)
                 return
         asyncio.get_running_loop().call_later(self._watch_s(), self._watch, key, pend)
+
+    def _past(self, step: int) -> bool:
+        """Are we, or is any live peer by gossip, past `step` now?"""
+        m = self.membership
+        return self.my_step() > step or any(m.step_of(p) > step for p in m.alive() if p.peer_id != m.self_id)
 
     def _swarm_went_on(self, step: int, joined: int) -> bool:
         """At least as many live peers are past `step` as joined its group here: the swarm went on under another

@@ -409,3 +409,36 @@ def test_every_owner_gets_the_groups_weights_even_when_its_own_is_one() -> None:
     even = pb.Group(members=group.members, tokens=[64, 64, 64])
     assert group_weights(even) is None and group_weights(pb.Group(members=group.members)) is None
     assert capped_tokens([1, 10, 1000]) == [1, 10, MAX_WEIGHT_RATIO * 10] and capped_tokens([5, 0]) == []
+
+
+def test_an_empty_group_left_from_a_split_does_not_keep_the_healed_swarm_behind_for_good() -> None:
+    """A leader that led its side of a split to step 2 closed the other side's pending step-1 group empty (on_ahead).
+    After the heal it adopted the other side's state at step 1, and every peer, itself included, asked for step 1 in
+    that state: the empty closed group answered "behind" (step 2) to each of them, forever, though nobody was past
+    step 1 (a 5-peer namespace run sat at one state for 3 minutes). With nobody past the step, it is reopened."""
+
+    async def main() -> None:
+        m, (lead, a, b, c) = _swarm()
+        mine = [2]
+        leader = RendezvousLeader(m, b"run", timeout_s=0.3, my_step=lambda: mine[0])
+        other, ours = b"L" * 32, b"M" * 32
+        for p in (a, b, c):
+            m.entries[p.peer_id].info.outer_step = 1
+        asking = asyncio.ensure_future(leader.join(1, -1, a, [], lineage=other))  # the other side's round
+        await asyncio.sleep(0.05)
+        own = asyncio.ensure_future(leader.join(2, -1, lead, [], lineage=ours))  # we moved on: it closes empty
+        assert (await asyncio.wait_for(asking, 2.0)).WhichOneof("result") == "behind"
+        await asyncio.wait_for(own, 2.0)
+        mine[0] = 1  # healed: we adopted their state at step 1, and so did everyone
+        got = await asyncio.wait_for(
+            asyncio.gather(*(leader.join(1, -1, p, [], lineage=other) for p in (lead, a, b, c))), 3.0
+        )
+        assert all(r.WhichOneof("result") == "group" for r in got), got
+        assert len(got[0].group.members) == 4 and got[0].group.attempt == 1
+        # while a peer is really past the step, the empty group still sends a late asker on at once
+        m.entries[b.peer_id].info.outer_step = 3
+        leader.closed[(2, -1, other)] = pb.Group(step=2)
+        late = await asyncio.wait_for(leader.join(2, -1, c, [], lineage=other), 2.0)
+        assert late.WhichOneof("result") == "behind"
+
+    asyncio.run(main())
