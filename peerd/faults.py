@@ -117,13 +117,21 @@ def start_delay() -> float:
 STATE_STALL_S = float(_env("PEERD_FAULT_STATE_STALL_S") or 0)
 # Only the first N downloads served stall (0: every one): a holder whose link goes silent mid-download, then comes back.
 STATE_STALL_N = [int(_env("PEERD_FAULT_STATE_STALL_N") or 0)]
+_STALL_EVERY = STATE_STALL_N[0] <= 0
+
+
+def _spend(left: list[int]) -> bool:
+    """Take one from a fault's countdown (the first N calls get the fault): True while any were left."""
+    if left[0] > 0:
+        left[0] -= 1
+        return True
+    return False
 
 
 def state_stall_s() -> float:
     """Seconds to stall this download before its header (PEERD_FAULT_STATE_STALL_S, for the first
     PEERD_FAULT_STATE_STALL_N downloads or every one)."""
-    if not STATE_STALL_S:
-        return 0.0
+    return STATE_STALL_S if STATE_STALL_S and (_STALL_EVERY or _spend(STATE_STALL_N)) else 0.0
     if STATE_STALL_N[0] == 0:
         return STATE_STALL_S
     if STATE_STALL_N[0] > 0:
@@ -304,8 +312,7 @@ ECHO_LATE = [int(_env("PEERD_FAULT_ECHO_LATE") or 0)]
 
 async def echo_late() -> None:
     """Delay this ProbeEcho answer while PEERD_FAULT_ECHO_LATE has answers left to delay."""
-    if ECHO_LATE[0] > 0:
-        ECHO_LATE[0] -= 1
+    if _spend(ECHO_LATE):
         logging.getLogger("peerd").warning("fault injection: answering a dial-back probe 2 s late")
         await asyncio.sleep(2.0)
 
@@ -318,8 +325,7 @@ PROBE_DROP = [int(_env("PEERD_FAULT_PROBE_DROP") or 0)]
 
 def probe_drop() -> bool:
     """Fail this Probe call while PEERD_FAULT_PROBE_DROP has calls left to fail."""
-    if PROBE_DROP[0] > 0:
-        PROBE_DROP[0] -= 1
+    if _spend(PROBE_DROP):
         logging.getLogger("peerd").warning("fault injection: dropping a dial-back probe request")
         return True
     return False

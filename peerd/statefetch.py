@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -18,6 +18,7 @@ from peerd.allreduce import RoundFailed
 from peerd.channels import end_call
 from peerd.consistency import claim_of, outranks
 from peerd.envelope import sign
+from peerd.limits import paced
 from peerd.reachability import dialable
 from peerd.statesync import StateSnapshot, part_digests, read_state
 from peerd.streams import StreamError
@@ -48,17 +49,6 @@ def stall_limit(peer_timeout: float) -> float:
     reset, and the call's own deadline (the whole download's, network.round_timeout: 120 s) held a joiner on a holder
     cut off mid-download for all of it, though another holder of the same state was a reachable peer away."""
     return max(2.0 * peer_timeout, STALL_MIN_S)
-
-
-async def _paced(call: Any, stall_s: float) -> AsyncIterator[pb.StateMessage]:
-    """The call's messages; TimeoutError once `stall_s` passes without one."""
-    messages = call.__aiter__()
-    while True:
-        try:
-            msg = await asyncio.wait_for(messages.__anext__(), stall_s)
-        except StopAsyncIteration:
-            return
-        yield msg
 
 
 def holder_order(live: list[pb.PeerInfo], rate: Callable[[str], float]) -> list[pb.PeerInfo]:
@@ -105,18 +95,17 @@ async def fetch_state(
             req = sign(pb.StateRequest(min_step=min_step, ranges=flat), "Download", d.identity, d.run_id)
             call = d.channels.state(p.address, p).Download(req, timeout=max(deadline - time.monotonic(), 1.0))
             try:
-                snap = await read_state(_paced(call, stall_s), expected, p.public_key, base, ranges)
+                snap = await read_state(paced(call, stall_s, stall_s), expected, p.public_key, base, ranges)
                 if p.state_digest and snap.step == p.outer_step and snap.digest != p.state_digest:
                     raise StreamError("bad_digest", "served state does not match the digest it gossiped")
-            except TimeoutError:
-                end_call(call)
-                log.info("state download from %s stalled for %.0fs: trying the next holder", p.peer_id[:8], stall_s)
-                errors.append(f"{p.peer_id[:8]}: stalled for {stall_s:.0f}s")
-                continue
             except (grpc.aio.AioRpcError, StreamError, StopAsyncIteration) as exc:
-                errors.append(f"{p.peer_id[:8]}: {exc}")
-                if isinstance(exc, StreamError):
+                if isinstance(exc, StreamError) and exc.reason == "timeout":  # it went silent: no bad input
+                    end_call(call)
+                    log.info("state download from %s stalled for %.0fs: trying the next holder", p.peer_id[:8],
+                             stall_s)  # fmt: skip
+                elif isinstance(exc, StreamError):
                     d.checks.count_rejected(exc.reason)
+                errors.append(f"{p.peer_id[:8]}: {exc}")
                 continue
             what = f"{len(ranges)} changed slices" if ranges else "whole"
             log.info("downloaded state at step %d (work %d, %s) from %s", snap.step, snap.work, what, p.peer_id[:8])
