@@ -70,6 +70,7 @@ SPONSORED = re.compile(
     r"^(\S+ \S+) (?:WARNING peerd: this peer's link is too slow|INFO peerd: outer step \d+ \|.*\| peers via sponsor )"
 )
 SURVIVED = re.compile(r"^(\S+ \S+) WARNING peerd: round for step \d+ survived the loss of")
+OUTCOMES = ("complete", "partial", "failed", "solo")  # peerd_rounds_total{outcome}
 PEER_TIMEOUT = 15.0  # 64 daemons share 2 cores here: a starved event loop must not read as a dead peer
 
 
@@ -77,12 +78,22 @@ def _ts(stamp: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def _config(tmp: Path, params: int, gossip_entries: int, inner_steps: int = 1, codec: str = "fp32") -> Path:
+def _config(
+    tmp: Path,
+    params: int,
+    gossip_entries: int,
+    inner_steps: int = 1,
+    codec: str = "fp32",
+    algorithm: str = "diloco",
+    group_size: int = 2,
+) -> Path:
     from tests.swarm import tiny_config
 
     return tiny_config(
         tmp,
         run__outer_steps=0,
+        run__algorithm=algorithm,
+        noloco__group_size=group_size,
         model__factory="bench.scale_model:make_model",
         model__d_model=max(params // 4096, 1),
         data__factory="bench.scale_model:make_data",
@@ -137,7 +148,10 @@ def run_size(
     until_step: int = 0,
     from_step: int = 0,
     codec: str = "fp32",
+    algorithm: str = "diloco",
+    group_size: int = 2,
 ) -> dict[str, Any]:
+    from bench.scale_spread import initial_weights, spread
     from tests.swarm import Swarm
 
     rng = random.Random(seed)
@@ -146,7 +160,7 @@ def run_size(
     kept = tempfile.mkdtemp(prefix=f"peerd-scale{n}-") if keep else None  # the peers' logs, for a post-mortem
     with contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix=f"peerd-scale{n}-") as tmpdir:
         tmp = Path(tmpdir)
-        cfg = _config(tmp, params, gossip_entries, inner_steps, codec)
+        cfg = _config(tmp, params, gossip_entries, inner_steps, codec, algorithm, group_size)
         swarm = Swarm(tmp, n, cfg, metrics=True, wait_peers=True)  # --wait-peers N: all start together
         with swarm:
             swarm.wait_until(lambda: all(p.proc.poll() is None for p in swarm.peers), 30, "peers up")
@@ -180,8 +194,10 @@ def run_size(
             after = {i: _scrape(u) for i, u in urls.items()}
             logs = {p.index: p.log() for p in swarm.peers}
             summaries = _round_summaries(swarm, until_step) if from_step and until_step else []
+            apart = spread([p.data_dir for p in swarm.peers], initial_weights(cfg))
         killed = {i for i, k in started.items() if k > 1}
-        row = _report(n, t0, t1, before, after, logs, kills, killed)
+        row = _report(n, t0, t1, before, after, logs, kills, killed, "pair" if algorithm == "noloco" else "reduce")
+        row.update(algorithm=algorithm, group_size=group_size if algorithm == "noloco" else None, **apart)
         if from_step and until_step:
             row.update(steps_bytes(summaries, from_step, until_step))
         if kept:
@@ -291,6 +307,7 @@ def _report(
     logs: dict[int, str],
     kills: list[tuple[float, str]],
     killed: set[int],
+    kind: str = "reduce",
 ) -> dict[str, Any]:
     window = t1 - t0
     record = record_peer(logs, killed, t0, t1)
@@ -310,8 +327,11 @@ def _report(
     # each peer's own round bytes over its own completed rounds (both counted when a round completes, so a round in
     # flight at either end of the window cannot skew the ratio)
     done = [(d, sum(d.get(f"peerd_rounds_total:{o}", 0.0) for o in ("complete", "partial"))) for d in per_peer]
-    round_b = [d.get("peerd_sent_bytes_total:reduce", 0.0) / k for d, k in done if k > 0]
-    round_raw = [d.get("peerd_sent_bytes_total:reduce:raw", 0.0) / k for d, k in done if k > 0]
+    round_b = [d.get(f"peerd_sent_bytes_total:{kind}", 0.0) / k for d, k in done if k > 0]
+    round_raw = [d.get(f"peerd_sent_bytes_total:{kind}:raw", 0.0) / k for d, k in done if k > 0]
+    # every round outcome the peers alive at both ends of the window counted in it (NoLoCo: each peer counts its own
+    # group's exchange; "solo" is an outer step that found no partner, "partial" one that lost a partner mid-way)
+    outcomes = {o: round(sum(d.get(f"peerd_rounds_total:{o}", 0.0) for d in per_peer)) for o in OUTCOMES}
     # rendezvous bytes per completed round: the leader's answers (n members each, to n members) against the median
     # peer's requests, to show whether the leader is a hot spot
     rdv = [d.get("peerd_sent_bytes_total:rendezvous", 0.0) / k for d, k in done if k > 0]
@@ -329,6 +349,11 @@ def _report(
         "survived_a_loss": survived,
         "failed_attempts_all_peers": failed_any,
         "complete_share": round(rounds / (rounds + failed), 3) if rounds + failed else None,
+        "outcomes": outcomes,
+        # rounds that averaged (complete or partial) among every outcome the peers counted
+        "averaged_share": round((outcomes["complete"] + outcomes["partial"]) / sum(outcomes.values()), 4)
+        if sum(outcomes.values())
+        else None,
         "gossip_Bps": round(statistics.median(gossip_b)) if gossip_b else None,
         "gossip_msgps": round(statistics.median(gossip_m), 2) if gossip_m else None,
         "gossip_B_per_msg": round(sum(gossip_b) / sum(gossip_m)) if sum(gossip_m) else None,
@@ -494,6 +519,8 @@ def main(argv: list[str] | None = None) -> None:
         "--from-step", type=int, default=0, help="with --until-step: also give the round bytes per peer over exactly "
         "these outer steps, at every size, from the peers' own round summaries"
     )  # fmt: skip
+    ap.add_argument("--algorithm", default="diloco", choices=("diloco", "noloco"), help="run.algorithm")
+    ap.add_argument("--group-size", type=int, default=2, help="noloco.group_size: peers per NoLoCo exchange")
     ap.add_argument("--codec", default="fp32", help="codec.name (fp32, the product default, unless set)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -505,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in (int(x) for x in args.peers.split(",")):
         row = run_size(
             n, args.seconds, args.churn, args.params, args.gossip_entries, args.seed, args.keep, args.inner_steps,
-            args.until_step, args.from_step, args.codec,
+            args.until_step, args.from_step, args.codec, args.algorithm, args.group_size,
         )  # fmt: skip
         rows.append(row)
         steps_note = (
@@ -520,10 +547,14 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
         else:
             print(
-                f"{n:3d} peers: {row['rounds']} rounds (steps {row['steps']}) at peer {row['record_peer']}, "
+                f"{n:3d} peers ({args.algorithm}"
+                f"{f', groups of {args.group_size}' if args.algorithm == 'noloco' else ''}): "
+                f"{row['rounds']} rounds (steps {row['steps']}) at peer {row['record_peer']}, "
                 f"{row['round_s']} s/round, "
                 f"full {row['full_share']}, "
                 f"failed attempts {row['failed_attempts']} ({row['complete_share']} completed), "
+                f"outcomes at all peers {row['outcomes']} ({row['averaged_share']} averaged), "
+                f"spread {row['spread_median']}/{row['spread_max']} (median/max over {row['spread_peers']} peers), "
                 f"survived a loss {row['survived_a_loss']}, failed attempts at any peer "
                 f"{row['failed_attempts_all_peers']}, "
                 f"gossip {row['gossip_Bps']} B/s "

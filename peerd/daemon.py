@@ -554,7 +554,9 @@ class Daemon:
     async def answer_match(self, request: pb.MatchRequest, sender: str) -> pb.MatchResponse:
         if self.pairing is None:
             return pb.MatchResponse(accepted=False, reason="this peer does not run NoLoCo")
-        return await self.pairing.answer(request, sender)
+        resp = await self.pairing.answer(request, sender)
+        self.count_sent("rendezvous", 0, resp.ByteSize())  # NoLoCo's rendezvous: matchmaking, both directions
+        return resp
 
     async def serve_exchange(self, messages: AsyncIterator[pb.TensorMessage]) -> AsyncIterator[pb.TensorMessage]:
         if self.pairing is None:

@@ -373,6 +373,7 @@ class RelayTransport:
         return sign(frame, "RelayForward", self.d.identity, self.d.run_id)
 
     async def match(self, peer: pb.PeerInfo, request: pb.MatchRequest, timeout: float) -> pb.MatchResponse:
+        self.d.count_sent("rendezvous", 0, request.ByteSize())  # a proposal: NoLoCo's rendezvous traffic
         relay = relay_of(self.d, peer)
         if relay is None:
             return await self.direct.match(peer, request, timeout)

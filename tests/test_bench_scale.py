@@ -4,6 +4,10 @@ written logs)."""
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
 
 from bench.scale import (
     FAILED,
@@ -17,6 +21,8 @@ from bench.scale import (
     step_lines,
     steps_bytes,
 )
+from bench.scale_spread import spread
+from trainer.checkpoint import save_checkpoint
 
 
 def _at(t: float) -> str:
@@ -151,3 +157,22 @@ def test_steps_bytes_says_why_members_owned_no_shard() -> None:
     row = steps_bytes([peer_a, peer_b], 3, 5)
     assert row["steps_peers"] == 2 and row["steps_owners_min"] == 62
     assert row["steps_no_shard_flagged_max"] == 1 and row["steps_no_shard_outbound_max"] == 1
+
+
+def test_spread_is_each_peers_distance_from_the_mean_over_the_distance_travelled(tmp_path: Path) -> None:
+    """Three peers' checkpoints around a mean 2 away from the initial weights, at 0, 0.5 and 0.5 from it (two
+    components cancel); a fourth peer without a checkpoint and a fifth with another vector size are left out."""
+    init = torch.zeros(4)
+    vectors = [[2.0, 0.0, 0.0, 0.0], [2.0, 0.5, 0.0, 0.0], [2.0, -0.5, 0.0, 0.0], None, [1.0] * 5]
+    dirs = []
+    for i, v in enumerate(vectors):
+        d = tmp_path / f"p{i}"
+        d.mkdir()
+        if v is not None:
+            save_checkpoint(d / "checkpoint.pt", {"global": {"params": torch.tensor(v)}})
+        dirs.append(d)
+    got = spread(dirs, init)
+    assert got["spread_peers"] == 3
+    assert got["spread_max"] == pytest.approx(0.25)  # 0.5 over the mean's 2 travelled
+    assert got["spread_median"] == pytest.approx(0.25)
+    assert spread(dirs[:1], init)["spread_median"] is None  # one peer: nothing to compare

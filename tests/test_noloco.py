@@ -225,6 +225,11 @@ def test_partner_dies_mid_exchange_and_the_survivor_steps_on(tmp_path: Path, mon
             120,
             "the survivor to count the lost partner",
         )
+        # matchmaking is NoLoCo's rendezvous: its proposals and answers are counted as such (bench.scale's figure)
+        match = re.search(
+            r'peerd_sent_bytes_total\{form="wire",kind="rendezvous"\} (\S+)', http_get(metrics_url)[2].decode()
+        )
+        assert match and float(match[1]) > 0, match
         assert survivor.wait(240) == 0, survivor.log_tail()
     finally:
         swarm.stop()
