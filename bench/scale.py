@@ -2,7 +2,8 @@
 is the swarm's own cost as N grows (issue 15).
 
     python -m bench.scale --peers 8,16,32,64 [--seconds 60] [--churn 10] [--params 1048576] [--inner-steps 1]
-                          [--until-step N [--from-step M]] [--codec NAME] [--json]
+                          [--until-step N [--from-step M]] [--codec NAME] [--algorithm noloco [--group-size G]]
+                          [--json]
 
 Per swarm size, over a measurement window that starts once every peer is up:
 - rounds: outer steps the swarm completed, the median round time (between consecutive steps at one peer), and the
@@ -13,10 +14,18 @@ Per swarm size, over a measurement window that starts once every peer is up:
   lost a member mid-round and completed without it (allreduce.py); and failed attempts summed over every peer's log
   (a member whose own attempt failed downloads the swarm's state instead);
 - gossip B/s and msg/s per peer: membership traffic each peer sends (requests and answers), from its metrics;
-- round B/peer: reduce-scatter and all-gather payload bytes each peer sends per completed round, on the wire (after
-  the codec and zstd) and before the codec (4 bytes per value: what the round design sends, whatever the data);
-- rendezvous B/round: rendezvous bytes each peer sends per completed round, the median peer's and the most any
-  peer sent (the leader: it answers every member with the whole group);
+- outcomes: every round outcome (complete, partial, failed, solo) the peers alive at both ends of the window counted
+  in it, and the share that averaged (complete or partial). With --algorithm noloco (bounded groups of
+  --group-size, no leader) this is the completion figure: each peer counts its own group's exchange, and an outer
+  step that found no partner is "solo";
+- spread: each peer's distance from the swarm's mean global weights over the mean's distance from the initial ones
+  (median and max over peers, from their checkpoints at the window's end): 0 for DiLoCo peers at one step, a few
+  percent for NoLoCo (bench/scale_spread.py);
+- round B/peer: reduce-scatter and all-gather payload bytes (NoLoCo: the group exchange's) each peer sends per
+  completed round, on the wire (after the codec and zstd) and before the codec (4 bytes per value: what the round
+  design sends, whatever the data);
+- rendezvous B/round: rendezvous bytes (NoLoCo: matchmaking) each peer sends per completed round, the median peer's
+  and the most any peer sent (DiLoCo's leader: it answers every member);
 - detect s: with --churn K, one kill -9 every K seconds of a random non-bootstrap peer that has joined the swarm (not
   one still starting after its own last kill), restarted at once on its data dir; the seconds from each kill until
   each other peer logs the peer as lost, or logs that a new process took its id (median, 90th percentile and max over

@@ -1,6 +1,7 @@
-"""The paper model of a DiLoCo swarm's per-peer costs (ARCHITECTURE.md, "Scale"): what each peer and the round leader
-send per round and per second as the swarm grows, and what limits first. bench.scale measures the same quantities
-at 8-64 peers on this machine; `python -m bench.scale_paper` prints the extrapolation to 1,000 peers.
+"""The paper model of a DiLoCo swarm's per-peer costs, with NoLoCo's bounded groups beside it (ARCHITECTURE.md,
+"Scale"): what each peer and the round leader send per round and per second as the swarm grows, and what limits
+first. bench.scale measures the same quantities at 8-64 peers on this machine; `python -m bench.scale_paper` prints
+the extrapolation to 1,000 peers.
 
     python -m bench.scale_paper [--params 1e9] [--bytes-per-param 1] [--peers 8,64,256,1000] [--mbit 20,100,1000]
 
@@ -47,6 +48,12 @@ class Swarm:
         """Reduce-scatter plus all-gather: each peer sends (and receives) 2 P b (n-1)/n per round, under 2x its own
         contribution whatever n is."""
         return 2 * self.params * self.bytes_per_param * (self.n - 1) / self.n
+
+    def group_bytes(self, group_size: int = 2) -> float:
+        """NoLoCo instead: each member of a group of g sends its tensor to the g-1 others, (g-1) P b per round
+        whatever n is (peerd/pair_exchange.py); no leader, and matchmaking is a proposal and an answer of a few dozen
+        bytes per step."""
+        return (min(group_size, self.n) - 1) * self.params * self.bytes_per_param
 
     def allreduce_messages(self) -> float:
         """Stream parts a peer sends per round: one set of parts per other member and direction."""
@@ -111,12 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--round-entry", type=float, default=530.0, help="bytes of a group's member entry (TLS: ~530)")
     ap.add_argument("--gossip-entries", type=int, default=8)
     ap.add_argument("--changed", type=float, default=2.0, help="member entries that change per round (churn)")
+    ap.add_argument("--group-size", type=int, default=2, help="NoLoCo's noloco.group_size, for its column")
     args = ap.parse_args(argv)
     print(
         "| peers | link | all-reduce s | leader s (whole groups) | gossip KB/s | probes/s | round floor s | "
-        "limits first |"
+        f"limits first | NoLoCo groups of {args.group_size} s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mbit in (float(x) for x in args.mbit.split(",")):
         for n in (int(x) for x in args.peers.split(",")):
             s = Swarm(
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {n} | {mbit:g} Mbit/s | {s.allreduce_bytes() / s.rate:.1f} | {s.leader_bytes() / s.rate:.2f} "
                 f"({s.whole_leader_bytes() / s.rate:.1f}) | "
                 f"{s.gossip_bytes_per_s() / 1e3:.1f} | {s.gossip_probes_per_s():.2f} | {s.round_seconds():.1f} | "
-                f"{s.limit()} |"
+                f"{s.limit()} | {s.group_bytes(args.group_size) / s.rate:.1f} |"
             )
 
 
