@@ -160,6 +160,14 @@ class Membership:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
+                if cur.step_hint > info.outer_step and (
+                    info.state_digest != cur.info.state_digest or info.incarnation > cur.info.incarnation
+                ):
+                    # It now holds another state below the step it finished with us: it adopted another lineage (the
+                    # losing side of a split downloads the winner's) or restarted from a checkpoint. A kept hint said
+                    # it was past steps it would never reach again: after a heal, the leader of the swarm's step kept
+                    # its empty group closed for good on that word, and 5 peers at one state stopped training.
+                    cur.step_hint = -1
                 cur.info = copy_peer(info)
                 cur.last_advance = now
                 cur.unreachable_until = 0.0

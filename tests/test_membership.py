@@ -452,3 +452,21 @@ def test_a_call_to_a_peer_about_to_go_stale_waits_longer_and_is_not_counted_agai
         assert not g._inflight and not g._long
 
     asyncio.run(main())
+
+
+def test_a_peer_that_adopted_another_state_is_no_longer_taken_as_past_the_step_it_left() -> None:
+    """The losing side of a split finished steps 26 and 27 with us, then downloaded the winner's state at step 25.
+    Its gossip now says 25 with another digest: it is not past 25 any more (CI: a leader that kept the hint never
+    reopened the swarm's round at 25, and every peer was told "behind" for 3 minutes). A lagging entry from before
+    the round (the same digest) leaves the hint alone."""
+    m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+    a = b"a" * 32
+    pid = _info(a, 1).peer_id
+    m.merge([_info(a, 1, outer_step=25, state_digest=b"x" * 32)], now=0.0)
+    m.note_round(27, [pid])
+    m.merge([_info(a, 2, outer_step=25, state_digest=b"x" * 32)], now=0.5)  # a heartbeat from before the round
+    assert m.step_of(m.get(pid)) == 27
+    m.merge([_info(a, 3, outer_step=25, state_digest=b"y" * 32)], now=1.0)  # the winner's state
+    assert m.step_of(m.get(pid)) == 25
+    m.note_round(26, [pid])  # a round shared again afterwards counts again
+    assert m.step_of(m.get(pid)) == 26
