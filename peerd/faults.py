@@ -132,14 +132,6 @@ def state_stall_s() -> float:
     """Seconds to stall this download before its header (PEERD_FAULT_STATE_STALL_S, for the first
     PEERD_FAULT_STATE_STALL_N downloads or every one)."""
     return STATE_STALL_S if STATE_STALL_S and (_STALL_EVERY or _spend(STATE_STALL_N)) else 0.0
-    if STATE_STALL_N[0] == 0:
-        return STATE_STALL_S
-    if STATE_STALL_N[0] > 0:
-        STATE_STALL_N[0] -= 1
-        if STATE_STALL_N[0] == 0:
-            STATE_STALL_N[0] = -1  # used up
-        return STATE_STALL_S
-    return 0.0
 
 
 # Refuse every inbound call but Status (which the local user asks): a peer behind a NAT or firewall, simulated without
