@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.scale_spread import initial_weights
 from peerd.codecs import HEADER_SIZE, TRAILER_SIZE
-from peerd.config import RunConfig
 from peerd.demo import global_params, max_param_diff
 from peerd.faults import EXCHANGE_EXIT_ENV as FAULT_ENV
 from peerd.noloco import group_means, noloco_update
 from peerd.pair_exchange import PairSettings
-from peerd.worker import build_run_model
 from tests.promtools import http_get
 from tests.swarm import Swarm, tiny_config
 from tests.test_pairing import Net
+from tests.test_partition import _logged_step
 from trainer.outer import noloco_mix, noloco_mix_step
 
 T = torch.tensor
@@ -133,6 +133,15 @@ def test_group_means_refuse_a_group_without_us() -> None:
 
 
 # -- real swarms --------------------------------------------------------------------------------------------------
+def _apart_and_travelled(params: list[dict | None], config: Path) -> tuple[float, float]:
+    """How far apart the peers' slow weights are (the largest pairwise distance) and how far training moved them from
+    the shared initial weights (the least any peer moved): NoLoCo's spread is the first over the second."""
+    init = initial_weights(config)
+    travelled = min(float((g["params"] - init).norm()) for g in params if g is not None)
+    apart = max(float((a["params"] - b["params"]).norm()) for a, b in itertools.combinations(params, 2) if a and b)
+    return apart, travelled
+
+
 def _noloco_config(tmp_path: Path, **overrides: object) -> Path:
     return tiny_config(tmp_path, run__algorithm="noloco", **overrides)
 
@@ -188,9 +197,7 @@ def test_four_peers_pair_randomly_and_converge(tmp_path: Path) -> None:
     diff, _ = max_param_diff(dirs)
     assert diff > 0  # not an all-reduce: peers are not identical
     params = [global_params(d) for d in dirs]
-    init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
-    travelled = min(float((g["params"] - init).norm()) for g in params if g is not None)
-    apart = max(float((a["params"] - b["params"]).norm()) for a, b in itertools.combinations(params, 2) if a and b)
+    apart, travelled = _apart_and_travelled(params, swarm.config)
     solos = [p.summary()["solo_steps"] for p in swarm.peers]
     print(f"noloco spread: apart/travelled = {apart / travelled:.3f}, solo steps {solos}")
     assert apart < 0.5 * travelled, (apart, travelled, solos)
@@ -271,7 +278,7 @@ def test_a_poisoning_partner_is_refused_and_banned(tmp_path: Path) -> None:
     assert refused >= 1, "no honest peer ever met the poisoner"
     params = [global_params(p.data_dir) for p in honest]
     assert all(g is not None and bool(torch.isfinite(g["params"]).all()) for g in params)
-    init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
+    init = initial_weights(swarm.config)
     for g in params:  # a single accepted 1e6 x delta would have thrown them far from anywhere training goes
         assert float((g["params"] - init).norm()) < 10 * float(init.norm())
 
@@ -312,10 +319,6 @@ def test_ddp_baseline_keeps_peers_identical(tmp_path: Path) -> None:
         assert s["rounds_partial"] == 0
 
 
-def _logged_step(log: str) -> int:
-    return max((int(m) for m in re.findall(r"INFO peerd: outer step (\d+) \|", log)), default=-1)
-
-
 @pytest.mark.slow
 def test_kill9_churn_in_a_six_peer_swarm_costs_only_the_victims_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -330,7 +333,7 @@ def test_kill9_churn_in_a_six_peer_swarm_costs_only_the_victims_steps(
     restarted: dict[int, int] = {}  # peer index -> log length at its restart
     with swarm:
         for at, victim in ((6, 2), (14, 4)):
-            swarm.wait_until(lambda at=at: _logged_step(swarm.peers[0].log()) >= at, 180, f"step {at}")
+            swarm.wait_until(lambda at=at: _logged_step(swarm.peers[0]) >= at, 180, f"step {at}")
             swarm.peers[victim].kill()
             restarted[victim] = len(swarm.peers[victim].log())
             swarm.peers[victim] = swarm.spawn(victim, swarm.boot_address(0))
@@ -343,9 +346,6 @@ def test_kill9_churn_in_a_six_peer_swarm_costs_only_the_victims_steps(
         assert re.search(r"outer step \d+: averaged with", after), swarm.peers[i].log_tail()
     for i in set(summaries) - set(restarted):  # the others paired on most steps, churn or not
         assert summaries[i]["solo_steps"] <= steps // 3, (i, summaries[i])
-    params = [global_params(p.data_dir) for p in swarm.peers]
-    init = torch.cat([p.detach().reshape(-1) for p in build_run_model(RunConfig.load(swarm.config)).parameters()])
-    travelled = min(float((g["params"] - init).norm()) for g in params if g is not None)
-    apart = max(float((a["params"] - b["params"]).norm()) for a, b in itertools.combinations(params, 2) if a and b)
+    apart, travelled = _apart_and_travelled([global_params(p.data_dir) for p in swarm.peers], swarm.config)
     print(f"noloco churn spread: apart/travelled = {apart / travelled:.3f}")
     assert 0 < apart < 0.5 * travelled, (apart, travelled)
