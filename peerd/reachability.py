@@ -224,7 +224,7 @@ class Reachability:
     def dial_targets(self, peers: Iterable[pb.PeerInfo]) -> list[pb.PeerInfo]:
         """The peers we may dial among `peers`; says once, in one line, when we are outbound-only and nobody is."""
         peers = list(peers)
-        out = [p for p in peers if dialable(p)]
+        out = [p for p in peers if dialable(p) and not self.d.membership.cannot_dial(p.peer_id)]
         if self.d.me.outbound_only and peers and not out:
             if not self._alone_warned:
                 log.warning(

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from peerd.daemon import Daemon
 
 log = logging.getLogger("peerd")
+DIAL_S = 5.0  # a leader we cannot connect to within this is tried no longer (peerd/pairblocks.py)
 
 LINGER_ROUNDS = 2
 """Completed rounds that stay registered, holding the averaged shards they received, until their deadline: a member
@@ -124,9 +125,12 @@ class RoundClient:
 
     def _first_leader(self, peers: list[pb.PeerInfo]) -> pb.PeerInfo | None:
         """The lowest-id peer of `peers` (in id order) that may lead: dialable, not sponsored (it joins no round, and
-        its link is the slow one), and not flagged slow or faulty in our last round (peerd/timings.py) unless every
-        dialable one is."""
+        its link is the slow one), not named undialable by a live peer (peerd/pairblocks.py: that peer could not
+        join), and not flagged slow or faulty in our last round (peerd/timings.py), each unless every dialable one
+        is."""
         able = [p for p in peers if dialable(p) and not p.sponsor] or [p for p in peers if dialable(p)]
+        named = self.d.membership.named_unreachable(able)
+        able = [p for p in able if p.peer_id not in named] or able
         unflagged = [p for p in able if p.peer_id not in self.no_lead]
         return (unflagged or able or [None])[0]
 
@@ -135,7 +139,9 @@ class RoundClient:
         assert self.d.leader is not None
         pid = self.d.leader.handed_to(step, fragment)
         info = self.d.membership.get(pid) if pid is not None and pid not in excluded else None
-        return info if info is not None and self.d.membership.is_alive(info.peer_id) and dialable(info) else None
+        m = self.d.membership
+        ok = info is not None and m.is_alive(info.peer_id) and dialable(info) and not m.cannot_dial(info.peer_id)
+        return info if ok else None
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.d.membership.alive())
@@ -218,6 +224,14 @@ class RoundClient:
                 self.d.identity,
                 self.d.run_id,
             )
+            if not await self.d.channels.ready(target.address, target, DIAL_S):
+                # No connection at all while gossip through others shows the leader live: a route broken between
+                # us (peerd/pairblocks.py). Not a suspect for the next leader: the others reach it.
+                log.warning("round leader %s: no connection in %.0f s; trying the next", target.peer_id[:8], DIAL_S)
+                tried.add(target.peer_id)
+                self.d.membership.mark_unreachable(target.peer_id, why="rendezvous: no connection", dial=True)
+                target = None
+                continue
             self.d.count_sent("rendezvous", 0, req.ByteSize())
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
@@ -234,7 +248,7 @@ class RoundClient:
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
                 gone.add(target.peer_id)
-                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}")
+                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}", dial=True)
                 target = None
                 continue
             if resp.WhichOneof("result") == "redirect":
@@ -276,7 +290,8 @@ class RoundClient:
     def _held_round_member(self, tried: set[str]) -> Callable[[str], pb.PeerInfo | None]:
         def usable(pid: str) -> pb.PeerInfo | None:
             info = self.d.membership.get(pid)
-            ok = pid not in tried and info is not None and self.d.membership.is_alive(pid) and dialable(info)
+            m = self.d.membership
+            ok = pid not in tried and info is not None and m.is_alive(pid) and dialable(info) and not m.cannot_dial(pid)
             return info if ok else None
 
         return usable
@@ -351,7 +366,7 @@ class RoundClient:
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address)
+        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial=True)
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""
