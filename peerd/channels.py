@@ -61,6 +61,16 @@ def connection_failed(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionError)
 
 
+def turned_away(exc: BaseException) -> bool:
+    """The peer's host answered and turned the connection away (refused, or reset): the route to it works, and the
+    process we meant is gone. A dial that gets no answer at all is the other kind (a broken route or a dead host;
+    peerd/pairblocks.py tells them apart)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = (exc.details() or "").lower()
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "reset" in details)
+    return isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
+
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

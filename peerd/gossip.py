@@ -18,7 +18,7 @@ import grpc
 
 from peerd import bootstrap, faults, peercache, tls
 from peerd.bootstrap import unspecified
-from peerd.channels import UNREACHABLE, connection_failed
+from peerd.channels import UNREACHABLE, connection_failed, turned_away
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -410,11 +410,13 @@ class Gossip:
                 down = mark == "refused" and refused
             if exc.code() in UNREACHABLE and down:
                 kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
-                self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}", dial=True)
+                how = "refused" if turned_away(exc) else "no_answer"
+                self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}", dial=how)
             elif exc.code() in UNREACHABLE and mark == "down" and not self.d.channels.connected(peer.address, peer):
                 # No connection to a peer others still hear: if its heartbeat keeps coming through them, the route
-                # between us is broken (peerd/pairblocks.py)
-                self.d.membership.blocks.dial_failed(peer.peer_id, time.monotonic())
+                # between us is broken (peerd/pairblocks.py). A refusal is not that: its host answered.
+                if not turned_away(exc):
+                    self.d.membership.blocks.dial_failed(peer.peer_id, time.monotonic())
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # Another process answers at the address (another peer of the run, or another run): the peer we
                 # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.

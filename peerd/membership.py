@@ -224,18 +224,22 @@ class Membership:
         return True
 
     def mark_unreachable(
-        self, peer_id: str, now: float | None = None, why: str = "", address: str = "", *, dial: bool = False
+        self, peer_id: str, now: float | None = None, why: str = "", address: str = "", *, dial: str = ""
     ) -> None:
         """We could not dial this peer: treat it as dead until its heartbeat advances again. `why` says what failed
         (the "lost" line carries it). With `address` (the one we dialled), only while the peer still announces it: a
-        peer that announced another address since restarted elsewhere, and that process is alive. `dial`: a
-        connection of ours failed (not a ban or a blame), which a block between us and a live peer explains
-        (peerd/pairblocks.py): then it stays live."""
+        peer that announced another address since restarted elsewhere, and that process is alive. `dial` says how a
+        connection of ours failed (peerd/pairblocks.py): "refused" (refused or reset: the route works, the process is
+        gone) ends any block; "no_answer" (no connection at all) is what a route broken between us and a live peer
+        gives, so a block in force explains it and the peer stays live, and otherwise it counts as evidence of one.
+        "" is not a dial (a ban, a blame)."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
         if entry is None or (address and entry.info.address != address):
             return
-        if dial and self.blocks.dial_failed(peer_id, now):
+        if dial == "refused":
+            self.blocks.reached(peer_id)
+        elif dial == "no_answer" and self.blocks.dial_failed(peer_id, now):
             return
         entry.unreachable_until = now + self.peer_timeout
         entry.unreachable_why = why

@@ -22,7 +22,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
-from peerd.channels import UNREACHABLE
+from peerd.channels import UNREACHABLE, turned_away
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
 from peerd.group_delta import DeltaError, LeaderLists, MemberList
@@ -229,7 +229,7 @@ class RoundClient:
                 # us (peerd/pairblocks.py). Not a suspect for the next leader: the others reach it.
                 log.warning("round leader %s: no connection in %.0f s; trying the next", target.peer_id[:8], DIAL_S)
                 tried.add(target.peer_id)
-                self.d.membership.mark_unreachable(target.peer_id, why="rendezvous: no connection", dial=True)
+                self.d.membership.mark_unreachable(target.peer_id, why="rendezvous: no connection", dial="no_answer")
                 target = None
                 continue
             self.d.count_sent("rendezvous", 0, req.ByteSize())
@@ -248,7 +248,8 @@ class RoundClient:
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
                 gone.add(target.peer_id)
-                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}", dial=True)
+                how = "refused" if turned_away(exc) else "no_answer"
+                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}", dial=how)
                 target = None
                 continue
             if resp.WhichOneof("result") == "redirect":
@@ -366,7 +367,7 @@ class RoundClient:
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial=True)
+        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial="refused")
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""

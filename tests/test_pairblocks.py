@@ -74,11 +74,11 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
         m.merge([info], now=now)
 
     beat(1, 0.0)
-    m.mark_unreachable(b, now=0.5, why="gossip UNAVAILABLE", dial=True)
+    m.mark_unreachable(b, now=0.5, why="gossip UNAVAILABLE", dial="no_answer")
     assert not m.is_alive(b, now=0.6)  # one failed dial: unreachable, as before
     beat(2, 0.7)  # others carried its next heartbeat: live, but not to us
     assert m.is_alive(b, now=0.8) and m.cannot_dial(b, now=0.8)
-    m.mark_unreachable(b, now=1.0, why="round dial failed", dial=True)
+    m.mark_unreachable(b, now=1.0, why="rendezvous: no connection", dial="no_answer")
     assert m.is_alive(b, now=1.1)  # a dial that the block explains does not make it dead
     assert m.publish_unreachable(now=1.2) and list(m.me.unreachable) == [b[:16]]
     assert not m.publish_unreachable(now=1.3)
@@ -87,3 +87,42 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
     assert not m.is_alive(b, now=1.5)  # other evidence still does
     beat(1, 1.6, incarnation=2)  # a restart: the process we could not dial is gone
     assert m.is_alive(b, now=1.7) and not m.cannot_dial(b, now=1.7)
+
+
+def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
+    """A killed peer's port refuses; its restarted process then gossips through others. That is a restart, not a
+    route broken between us (the chaos test's restarted peer was once taken for one, and led no round for 30 s)."""
+    from peerd.identity import Identity
+
+    ident = Identity.generate()
+    b = ident.peer_id
+    m = Membership(pb.PeerInfo(peer_id="0" * 64, address="10.0.0.1:1"), peer_timeout=2.0)
+
+    def beat(n: int, now: float) -> None:
+        m.merge([pb.PeerInfo(peer_id=b, public_key=ident.public_key, address="10.0.0.2:1", heartbeat=n)], now=now)
+
+    beat(1, 0.0)
+    m.mark_unreachable(b, now=0.5, why="round dial failed", dial="refused")
+    beat(2, 0.7)
+    assert m.is_alive(b, now=0.8) and not m.cannot_dial(b, now=0.8)
+    m.mark_unreachable(b, now=1.0, why="gossip UNAVAILABLE", dial="no_answer")
+    beat(3, 1.2)
+    assert m.cannot_dial(b, now=1.3)
+    m.mark_unreachable(b, now=1.4, why="gossip UNAVAILABLE", dial="refused")  # its host answers: the route works
+    assert not m.cannot_dial(b, now=1.5) and not m.is_alive(b, now=1.5)
+
+
+def test_turned_away_tells_a_turned_away_dial_from_one_without_answer() -> None:
+    import grpc
+
+    from peerd.channels import turned_away
+
+    def err(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, None, None, details=details)  # type: ignore[arg-type]
+
+    last = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.77.0.1:7000: "
+    assert turned_away(err(grpc.StatusCode.UNAVAILABLE, last + "Failed to connect to remote host: Connection refused"))
+    assert turned_away(err(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer"))
+    assert not turned_away(err(grpc.StatusCode.UNAVAILABLE, last + "Timeout occurred: FD Shutdown"))
+    assert not turned_away(err(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+    assert turned_away(ConnectionRefusedError()) and not turned_away(TimeoutError())
