@@ -416,7 +416,11 @@ class Gossip:
                 # No connection to a peer others still hear: if its heartbeat keeps coming through them, the route
                 # between us is broken (peerd/pairblocks.py). A refusal is not that: its host answered.
                 if not turned_away(exc):
-                    self.d.membership.blocks.dial_failed(peer.peer_id, time.monotonic())
+                    self.d.membership.no_answer(peer.peer_id)
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and mark == "down":
+                # A call that hung on an open connection: a busy link, or a route that broke under it. Only a new
+                # connection tells them apart (Reachability.check_route).
+                self.d.reach.check_route(peer)
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # Another process answers at the address (another peer of the run, or another run): the peer we
                 # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.

@@ -165,7 +165,7 @@ class Membership:
                 if info.incarnation != cur.info.incarnation or info.address != cur.info.address:
                     self.blocks.reached(pid)  # another process, or another address: what we failed to dial is gone
                 else:
-                    self.blocks.advanced(pid, now, self.peer_timeout)
+                    self.blocks.advanced(pid, now, self.peer_timeout, int(info.heartbeat))
                 if cur.step_hint > info.outer_step and (
                     info.state_digest != cur.info.state_digest or info.incarnation > cur.info.incarnation
                 ):
@@ -239,10 +239,17 @@ class Membership:
             return
         if dial == "refused":
             self.blocks.reached(peer_id)
-        elif dial == "no_answer" and self.blocks.dial_failed(peer_id, now):
+        elif dial == "no_answer" and self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat)):
             return
         entry.unreachable_until = now + self.peer_timeout
         entry.unreachable_why = why
+
+    def no_answer(self, peer_id: str, now: float | None = None) -> None:
+        """A dial of ours got no answer from a peer we still count live: evidence of a block (peerd/pairblocks.py)
+        if its heartbeat keeps coming through others; nothing else changes."""
+        entry = self.entries.get(peer_id)
+        if entry is not None:
+            self.blocks.dial_failed(peer_id, time.monotonic() if now is None else now, int(entry.info.heartbeat))
 
     def cannot_dial(self, peer_id: str, now: float | None = None) -> bool:
         """A live peer we cannot reach ourselves (peerd/pairblocks.py): others carry what it says; do not dial it."""

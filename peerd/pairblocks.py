@@ -30,28 +30,34 @@ class PairBlocks:
     """Which live peers this peer cannot dial, from its own failed dials and the heartbeats that followed them."""
 
     def __init__(self) -> None:
-        self._failed_at: dict[str, float] = {}  # peer -> when our last dial of it failed (no block yet)
+        self._failed_at: dict[str, tuple[float, int]] = {}  # peer -> (when our dial failed, its heartbeat then)
         self._until: dict[str, float] = {}  # peer -> end of its current (or last) hold
         self._count: dict[str, int] = {}  # peer -> holds in a row
         self.news: list[tuple[str, float]] = []  # (peer, hold) of blocks that started, for one log line each
 
-    def dial_failed(self, peer_id: str, now: float) -> bool:
-        """Our dial of `peer_id` failed. True when a block accounts for it (the peer stays live): one in force, or
-        one that ended recently (the recheck failed: a longer hold starts). False: an ordinary failed dial."""
+    def dial_failed(self, peer_id: str, now: float, heartbeat: int = 0) -> bool:
+        """Our dial of `peer_id` (whose heartbeat we knew as `heartbeat`) got no answer. True when a block accounts
+        for it (the peer stays live): one in force, or one that ended recently (the recheck failed: a longer hold
+        starts). False: an ordinary failed dial, kept as evidence."""
         until = self._until.get(peer_id)
         if until is not None and now < until:
             return True
         if until is not None and now - until < MEMORY_S:
             self._start(peer_id, now)
             return True
-        self._failed_at[peer_id] = now
+        self._failed_at[peer_id] = (now, heartbeat)
         return False
 
-    def advanced(self, peer_id: str, now: float, peer_timeout: float) -> None:
-        """The same process's heartbeat advanced (others carried it): a dial of ours that failed within
-        `peer_timeout` before now means it is live but not to us."""
-        failed = self._failed_at.pop(peer_id, None)
-        if failed is not None and now - failed < peer_timeout:
+    def advanced(self, peer_id: str, now: float, peer_timeout: float, heartbeat: int = 1 << 62) -> None:
+        """The same process's heartbeat advanced to `heartbeat` (others carried it): a dial of ours that failed
+        within `peer_timeout` before now, with the heartbeat two or more beats past the one we knew then, means it
+        is live but not to us. Two beats: one may have been on its way to us when a split or a cut began."""
+        failed = self._failed_at.get(peer_id)
+        if failed is None:
+            return
+        if now - failed[0] >= peer_timeout:
+            del self._failed_at[peer_id]  # too old to say anything about now
+        elif heartbeat >= failed[1] + 2:
             self._start(peer_id, now)
 
     def _start(self, peer_id: str, now: float) -> None:

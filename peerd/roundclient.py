@@ -54,6 +54,11 @@ class PeerSilent(Exception):
         self.peer_id = peer_id
 
 
+class LeaderUndialable(Exception):
+    """The leader a rendezvous waits on turned out undialable from here, though live to others (peerd/pairblocks.py):
+    try the next one, without naming it a suspect (the others reach it)."""
+
+
 class RoundClient:
     """Rendezvous, all-reduce rounds and their bookkeeping for one daemon (`daemon.round_client`)."""
 
@@ -235,7 +240,14 @@ class RoundClient:
             self.d.count_sent("rendezvous", 0, req.ByteSize())
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
-                resp = await self._unless_silent(call, [target.peer_id])
+                resp = await self._unless_silent(call, [target.peer_id], leader=True)
+            except LeaderUndialable:
+                # A route broken under an open connection: the call hung on it until now (a new dial meets the
+                # 5 s check above).
+                log.warning("round leader %s cannot be dialled from here; trying the next", target.peer_id[:8])
+                tried.add(target.peer_id)
+                target = None
+                continue
             except PeerSilent as exc:
                 log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
                 tried.add(target.peer_id)
@@ -303,13 +315,15 @@ class RoundClient:
         peers: list[str],
         on_silent: Callable[[str], None] | None = None,
         incarnations: dict[str, int] | None = None,
+        leader: bool = False,
     ) -> Any:
         """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
         twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
         the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
         Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
         `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent).
-        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too."""
+        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too.
+        `leader`: the work is a rendezvous with `peers[0]`, given up (LeaderUndialable) once we cannot dial it."""
         task = asyncio.ensure_future(work)
         limit = 2 * self.d.cfg.network.peer_timeout
         try:
@@ -317,6 +331,8 @@ class RoundClient:
                 done, _ = await asyncio.wait({task}, timeout=self.d.cfg.network.gossip_interval)
                 if done:
                     return task.result()
+                if leader and self.d.membership.cannot_dial(peers[0]):
+                    raise LeaderUndialable(peers[0])
                 silent = next(
                     (p for p in peers if self.d.membership.silent_for(p) > limit or self._restarted(p, incarnations)),
                     None,

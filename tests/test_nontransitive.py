@@ -12,19 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_partition import PACE, _check_honest, _config, needs_netns
+from tests.test_partition import PACE, _check_honest, _config, _wait_step, needs_netns
 from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 STEPS = 40
-EARLY = 3  # rounds that may close before the pair knows it is blocked
+# Rounds that may lack a peer before the pair knows it is blocked: a few when the route is broken from the start (the
+# first dial finds it), more when it breaks under open connections (a gossip call must hang for 2 s, then a new
+# connection get no answer for 5 s: about 8 s, measured 7.6-8.0 s). Before pairblocks.py: 0 full rounds of 40 at 3 of
+# 4 peers with the route broken from the start, 3-26 with it broken at step 3.
+EARLY = {"start": 3, "mid-run": 12}
 
 
 @needs_netns
-@pytest.mark.parametrize("algorithm", ["diloco", "streaming"])
+@pytest.mark.parametrize(("algorithm", "when"), [("diloco", "start"), ("streaming", "start"), ("diloco", "mid-run")])
 def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, when: str
 ) -> None:
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
@@ -32,8 +36,12 @@ def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
     monkeypatch.setenv(*PACE)
     cfg = _config(tmp_path, algorithm, steps=STEPS, linger=8.0)
     with FaultNet(4, 1000.0) as net:
-        net.block_between(1, 2)
+        if when == "start":
+            net.block_between(1, 2)
         with NetSwarm(tmp_path, 4, cfg, net=net) as swarm:
+            if when == "mid-run":  # open connections stall, as under a route that breaks
+                _wait_step(swarm, 3, 120)
+                net.block_between(1, 2)
             t0 = time.monotonic()
             swarm.wait_exit(240)
             took = time.monotonic() - t0
@@ -53,4 +61,4 @@ def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
     ids = {s["peer_id"] for s in summaries}
     for s in summaries:
         full = [r for r in s["rounds"] if set(r["included"]) == ids]
-        assert s["solo_steps"] == 0 and len(full) >= STEPS - EARLY, (s["peer_id"][:8], len(full), took)
+        assert s["solo_steps"] == 0 and len(full) >= STEPS - EARLY[when], (s["peer_id"][:8], len(full), took)

@@ -13,8 +13,10 @@ B = "b" * 64
 
 def test_a_failed_dial_then_a_heartbeat_through_others_is_a_block() -> None:
     blocks = PairBlocks()
-    assert not blocks.dial_failed(B, 100.0)  # an ordinary failure first: the caller marks the peer unreachable
-    blocks.advanced(B, 101.0, peer_timeout=2.0)
+    assert not blocks.dial_failed(B, 100.0, heartbeat=7)  # an ordinary failure first: the caller marks it unreachable
+    blocks.advanced(B, 100.5, peer_timeout=2.0, heartbeat=8)  # maybe in flight before the failure: not yet
+    assert not blocks.blocked(B, 100.5)
+    blocks.advanced(B, 101.0, peer_timeout=2.0, heartbeat=9)
     assert blocks.blocked(B, 101.0) and blocks.blocked(B, 101.0 + HOLD_S - 0.1)
     assert not blocks.blocked(B, 101.0 + HOLD_S)
     assert blocks.drain_news() == [(B, HOLD_S)] and blocks.drain_news() == []
@@ -76,7 +78,9 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
     beat(1, 0.0)
     m.mark_unreachable(b, now=0.5, why="gossip UNAVAILABLE", dial="no_answer")
     assert not m.is_alive(b, now=0.6)  # one failed dial: unreachable, as before
-    beat(2, 0.7)  # others carried its next heartbeat: live, but not to us
+    beat(2, 0.65)  # one beat may have been on its way when the dial failed: no block yet
+    assert not m.cannot_dial(b, now=0.66)
+    beat(3, 0.7)  # others carried a newer one: live, but not to us
     assert m.is_alive(b, now=0.8) and m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="rendezvous: no connection", dial="no_answer")
     assert m.is_alive(b, now=1.1)  # a dial that the block explains does not make it dead
@@ -103,10 +107,10 @@ def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
 
     beat(1, 0.0)
     m.mark_unreachable(b, now=0.5, why="round dial failed", dial="refused")
-    beat(2, 0.7)
+    beat(3, 0.7)
     assert m.is_alive(b, now=0.8) and not m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="gossip UNAVAILABLE", dial="no_answer")
-    beat(3, 1.2)
+    beat(5, 1.2)
     assert m.cannot_dial(b, now=1.3)
     m.mark_unreachable(b, now=1.4, why="gossip UNAVAILABLE", dial="refused")  # its host answers: the route works
     assert not m.cannot_dial(b, now=1.5) and not m.is_alive(b, now=1.5)
@@ -126,3 +130,20 @@ def test_turned_away_tells_a_turned_away_dial_from_one_without_answer() -> None:
     assert not turned_away(err(grpc.StatusCode.UNAVAILABLE, last + "Timeout occurred: FD Shutdown"))
     assert not turned_away(err(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     assert turned_away(ConnectionRefusedError()) and not turned_away(TimeoutError())
+
+
+def test_status_shows_who_cannot_dial_whom() -> None:
+    from peerd.status import format_status
+
+    a, b = "a" * 64, "b" * 64
+    st = pb.StatusResponse(
+        peer_id=a,
+        peers=[
+            pb.PeerInfo(peer_id=a, address="10.0.0.1:7000", unreachable=[b[:16]]),
+            pb.PeerInfo(peer_id=b, address="10.0.0.2:7000"),
+        ],
+        alive=[a, b],
+    )
+    lines = format_status(st).splitlines()
+    assert any(line.strip().startswith(b[:16]) and "UNDIALABLE from aaaaaaaa" in line for line in lines), lines
+    assert not any(line.strip().startswith(a[:16]) and "UNDIALABLE" in line for line in lines)
