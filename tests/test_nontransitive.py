@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,10 +52,7 @@ def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
     _check_honest(summaries)
     assert all(s["finished"] and s["outer_step"] == STEPS for s in summaries), summaries
     assert_identical_globals([p.data_dir for p in swarm.peers])
-    # Each of the pair found out it cannot dial the other, and said so; nobody took the other for dead over it.
-    for i, j in ((1, 2), (2, 1)):
-        other = summaries[j]["peer_id"][:8]
-        assert f"peer {other} is live to the others but this peer cannot dial it" in swarm.peers[i].log()
+    _check_pair_said_so(swarm, summaries)
     # Every peer trained in the swarm's rounds, with all four: before pairblocks.py, peer 2 (the lowest id of the
     # pair's) sat out all 40 rounds, which the other three closed without it (partial), and it adopted their state
     # at the end. A few rounds may come before the block is known.
@@ -62,3 +60,35 @@ def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
     for s in summaries:
         full = [r for r in s["rounds"] if set(r["included"]) == ids]
         assert s["solo_steps"] == 0 and len(full) >= STEPS - EARLY[when], (s["peer_id"][:8], len(full), took)
+
+
+def _check_pair_said_so(swarm: Any, summaries: list[dict[str, Any]]) -> None:
+    """Each of the pair found out it cannot dial the other, and said so."""
+    for i, j in ((1, 2), (2, 1)):
+        other = summaries[j]["peer_id"][:8]
+        assert f"peer {other} is live to the others but this peer cannot dial it" in swarm.peers[i].log()
+
+
+@needs_netns
+def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NoLoCo needs no all-reduce, but a proposal to a peer we cannot dial waits out its deadline, and with two such
+    peers in four, pairs of the other two leave both alone. Nobody proposes to a peer it cannot dial, and peers that
+    cannot dial someone are likelier partners (matchmaking.CONSTRAINED_WEIGHT). Solo steps of the pair over 40 steps:
+    16 and 8, 14 and 5 before; 3-4 each after (0-2 with no block)."""
+    from bench.netfaults import FaultNet
+    from tests.netswarm import NetSwarm
+
+    monkeypatch.setenv(*PACE)
+    cfg = _config(tmp_path, "noloco", steps=STEPS, linger=8.0)
+    with FaultNet(4, 1000.0) as net:
+        net.block_between(1, 2)
+        with NetSwarm(tmp_path, 4, cfg, net=net) as swarm:
+            swarm.wait_exit(240)
+        assert net.dropped_between(1, 2) + net.dropped_between(2, 1) > 0
+    summaries = [p.summary() for p in swarm.peers]
+    assert all(s["finished"] and s["outer_step"] == STEPS for s in summaries), summaries
+    _check_pair_said_so(swarm, summaries)
+    solo = [s["solo_steps"] for s in summaries]
+    assert max(solo) <= 8, solo
