@@ -416,6 +416,7 @@ class Gossip:
                 # No connection to a peer others still hear: if its heartbeat keeps coming through them, the route
                 # between us is broken (peerd/pairblocks.py). A refusal is not that: its host answered.
                 if not turned_away(exc):
+                    log.info("gossip to %s got no connection while others hear it: a broken route?", peer.peer_id[:8])
                     self.d.membership.no_answer(peer.peer_id)
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and mark == "down":
                 # A call that hung on an open connection: a busy link, or a route that broke under it. Only a new

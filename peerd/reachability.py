@@ -261,6 +261,9 @@ class Reachability:
         except (ConnectionRefusedError, ConnectionResetError, ValueError):
             return  # its host answered (or the address is not one to dial): no broken route
         except (OSError, asyncio.TimeoutError):
+            log.info(
+                "a new connection to %s got no answer in %.0f s: a broken route?", peer.peer_id[:8], ROUTE_CONNECT_S
+            )
             self.d.membership.no_answer(peer.peer_id)
             return
         writer.close()
