@@ -147,3 +147,25 @@ def test_status_shows_who_cannot_dial_whom() -> None:
     lines = format_status(st).splitlines()
     assert any(line.strip().startswith(b[:16]) and "UNDIALABLE from aaaaaaaa" in line for line in lines), lines
     assert not any(line.strip().startswith(a[:16]) and "UNDIALABLE" in line for line in lines)
+
+
+def test_no_answer_from_a_peer_silent_to_us_too_is_no_evidence() -> None:
+    """Across a split the other side is silent to us and our dials get no answer; its heartbeats come back at the
+    heal. That is no block: only a peer others still carry to us while we cannot reach it is one."""
+    from peerd.identity import Identity
+
+    ident = Identity.generate()
+    b = ident.peer_id
+    m = Membership(pb.PeerInfo(peer_id="0" * 64, address="10.0.0.1:1"), peer_timeout=2.0)
+
+    def beat(n: int, now: float) -> None:
+        m.merge([pb.PeerInfo(peer_id=b, public_key=ident.public_key, address="10.0.0.2:1", heartbeat=n)], now=now)
+
+    beat(1, 0.0)
+    m.no_answer(b, now=5.0)  # silent for 5 s: a route check during the split
+    m.mark_unreachable(b, now=5.5, why="gossip DEADLINE_EXCEEDED", dial="no_answer")
+    beat(9, 6.0)  # the heal
+    assert m.is_alive(b, now=6.1) and not m.cannot_dial(b, now=6.1)
+    m.no_answer(b, now=6.5)  # heard a moment ago: evidence now
+    beat(11, 7.0)
+    assert m.cannot_dial(b, now=7.1)
