@@ -15,6 +15,9 @@ action (``act_gact``). So:
 * :meth:`FaultNet.block_inbound` drops TCP SYNs (SYN set, ACK clear) as they arrive at the host: an ingress u32
   filter redirects them (``mirred``) to a veth whose peer is down, which discards them. The host's own SYNs go
   out and the SYN-ACKs come back, so it can dial out but cannot be dialed: a peer behind NAT.
+* :meth:`FaultNet.block_between` drops every packet between two hosts, each at its own ingress, with the same
+  redirect: both reach everyone else, but not each other. Reachability on the internet is not transitive (a broken
+  route, a firewall rule, two NATs), and a partition into groups cannot make that shape.
 
 The faults are independent of each other and of the rate shaping (``set_rate``, ``set_down_rate``): a host can
 be shaped asymmetrically, behind "NAT" and in one group of a partition at once.
@@ -47,6 +50,7 @@ class FaultNet(SlowLinkNet):
         super().__init__(n_hosts, rate_mbit, **kw)  # type: ignore[arg-type]
         self._cut: set[int] = set()
         self._blocked: set[int] = set()
+        self._pairs: set[tuple[int, int]] = set()  # (host, source host) whose packets the host drops
         self._bridge_of: list[str | None] = [_BRIDGE] * n_hosts  # None: on no bridge (alone)
         self._extra_bridges: list[str] = []
 
@@ -154,37 +158,84 @@ class FaultNet(SlowLinkNet):
         self._require_up()
         if self._host(i) in self._blocked:
             return
+        self._drop_at(i, "1", _SYN_MATCH)
+        self._blocked.add(i)
+
+    def _drop_at(self, i: int, prio: str, match: list[str]) -> None:
+        """Add an ingress filter at host ``i`` that sends what ``match`` selects to the sink, which drops it."""
         ns = self.netns(i)
         if not _exec([self._ip, "-n", ns, "link", "show", "dev", _SINK], check=False).stdout:
             _exec([self._ip, "-n", ns, "link", "add", _SINK, "type", "veth", "peer", "name", _SINK_PEER])
             _exec([self._ip, "-n", ns, "link", "set", _SINK, "up"])  # its peer stays down: what it sends is dropped
-        _exec([self._tc, "-n", ns, "qdisc", "add", "dev", _HOST_IF, "handle", "ffff:", "ingress"])
+        fresh = not self._filters(i)
+        if fresh:
+            _exec([self._tc, "-n", ns, "qdisc", "add", "dev", _HOST_IF, "handle", "ffff:", "ingress"])
         try:
             _exec([self._tc, "-n", ns, "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol", "ip",
-                   "prio", "1", "u32", *_SYN_MATCH, "action", "mirred", "egress", "redirect", "dev",
+                   "prio", prio, "u32", *match, "action", "mirred", "egress", "redirect", "dev",
                    _SINK])  # fmt: skip
         except SlowLinkError:  # no u32 or mirred in this kernel: leave no half-made block behind
-            _exec([self._tc, "-n", ns, "qdisc", "del", "dev", _HOST_IF, "ingress"], check=False)
+            if fresh:
+                _exec([self._tc, "-n", ns, "qdisc", "del", "dev", _HOST_IF, "ingress"], check=False)
             raise
-        self._blocked.add(i)
+
+    def _undrop_at(self, i: int, prio: str) -> None:
+        """Remove host ``i``'s ingress filter of ``prio``, and the ingress qdisc with its last filter."""
+        ns = self.netns(i)
+        _exec([self._tc, "-n", ns, "filter", "del", "dev", _HOST_IF, "parent", "ffff:", "prio", prio], check=False)
+        if not self._filters(i):
+            _exec([self._tc, "-n", ns, "qdisc", "del", "dev", _HOST_IF, "ingress"], check=False)
+
+    def _filters(self, i: int) -> int:
+        """How many of this net's drop rules host ``i`` has (the NAT block and one per blocked pair)."""
+        return (self._host(i) in self._blocked) + sum(1 for host, _ in self._pairs if host == self._host(i))
 
     def unblock_inbound(self, i: int) -> None:
         """Let host ``i`` be dialed again."""
         self._require_up()
         if self._host(i) not in self._blocked:
             return
-        _exec([self._tc, "-n", self.netns(i), "qdisc", "del", "dev", _HOST_IF, "ingress"])
         self._blocked.discard(i)
+        self._undrop_at(i, "1")
 
     def is_blocked(self, i: int) -> bool:
         return self._host(i) in self._blocked
 
+    # --------------------------------------------------------------- pairs
+    def block_between(self, i: int, j: int) -> None:
+        """Drop every packet between hosts ``i`` and ``j``, both ways; open connections stall (no RST). Both still
+        reach every other host."""
+        self._require_up()
+        if self._host(i) == self._host(j):
+            raise ValueError(f"host {i} cannot be blocked from itself")
+        for a, b in ((i, j), (j, i)):
+            if (self._host(a), self._host(b)) in self._pairs:
+                continue
+            src = ["match", "ip", "src", f"{self.address(b)}/32"]
+            self._drop_at(a, str(10 + self._host(b)), src)
+            self._pairs.add((self._host(a), self._host(b)))
+
+    def unblock_between(self, i: int, j: int) -> None:
+        """Let hosts ``i`` and ``j`` reach each other again."""
+        self._require_up()
+        for a, b in ((i, j), (j, i)):
+            if (self._host(a), self._host(b)) in self._pairs:
+                self._pairs.discard((self._host(a), self._host(b)))
+                self._undrop_at(a, str(10 + self._host(b)))
+
     def syns_dropped(self, i: int) -> int:
         """How many inbound SYNs host ``i``'s block has dropped (so a test can check it was exercised)."""
+        return self._dropped(i, "1") if self._host(i) in self._blocked else 0
+
+    def dropped_between(self, i: int, j: int) -> int:
+        """How many packets from ``j`` host ``i`` has dropped since :meth:`block_between`."""
+        blocked = (self._host(i), self._host(j)) in self._pairs
+        return self._dropped(i, str(10 + self._host(j))) if blocked else 0
+
+    def _dropped(self, i: int, prio: str) -> int:
         self._require_up()
-        if self._host(i) not in self._blocked:
-            return 0
-        done = _exec([self._tc, "-n", self.netns(i), "-s", "-j", "filter", "show", "dev", _HOST_IF, "parent", "ffff:"])
+        done = _exec([self._tc, "-n", self.netns(i), "-s", "-j", "filter", "show", "dev", _HOST_IF, "parent", "ffff:",
+                      "prio", prio])  # fmt: skip
         try:
             entries = json.loads(done.stdout)
             actions = [a for e in entries for a in e.get("options", {}).get("actions", [])]

@@ -12,6 +12,7 @@ out gets a channel that never leaves this host, so callers see the usual UNAVAIL
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -58,6 +59,16 @@ def connection_failed(exc: BaseException) -> bool:
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code() == grpc.StatusCode.UNAVAILABLE
     return isinstance(exc, ConnectionError)
+
+
+def turned_away(exc: BaseException) -> bool:
+    """The peer's host answered and turned the connection away (refused, or reset): the route to it works, and the
+    process we meant is gone. A dial that gets no answer at all is the other kind (a broken route or a dead host;
+    peerd/pairblocks.py tells them apart)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        details = (exc.details() or "").lower()
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and ("refused" in details or "reset" in details)
+    return isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
 
 
 CHANNEL_OPTIONS = [
@@ -150,6 +161,19 @@ class Channels:
         """Is our connection to `address` up? A call that timed out on a connected channel met a slow or busy link,
         not a dead peer."""
         return self.channel(address, peer).get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+
+    async def ready(self, address: str, peer: pb.PeerInfo | None, timeout: float) -> bool:
+        """Wait up to `timeout` for a connection to `address`; False if none came. A dial whose SYNs a broken route
+        drops fails only at gRPC's 20 s connect deadline, and a call on that channel waits as long: a rendezvous with
+        a leader we cannot reach (peerd/pairblocks.py) held a step for 17 s."""
+        ch = self.channel(address, peer)
+        if ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return True
+        try:
+            await asyncio.wait_for(ch.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def membership(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.MembershipStub:
         return rpc.MembershipStub(self.channel(address, peer))

@@ -18,7 +18,7 @@ import grpc
 
 from peerd import bootstrap, faults, peercache, tls
 from peerd.bootstrap import unspecified
-from peerd.channels import UNREACHABLE, connection_failed
+from peerd.channels import UNREACHABLE, connection_failed, turned_away
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -181,6 +181,7 @@ class Gossip:
             self.d.membership.bump()
             self.d.checks.refresh_suspects()
             self.refresh_timing()
+            self._publish_blocks()
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
             free = [p for p in others if p.peer_id not in self._inflight]
@@ -193,7 +194,10 @@ class Gossip:
             # entries about to expire, not already among the targets: asked directly (bounded gossip, membership.py)
             chosen = {p.peer_id for p in targets} | set(self._inflight)
             probes = self.d.membership.expiring(
-                at=PROBE_AT, can=lambda p, skip=chosen: p.peer_id not in skip and dialable(p)
+                at=PROBE_AT,
+                can=lambda p, skip=chosen: (
+                    p.peer_id not in skip and dialable(p) and not self.d.membership.cannot_dial(p.peer_id)
+                ),
             )
             if faults.GOSSIP_LATE_S:  # the injector's peer calls nobody: its heartbeat travels only in its answers
                 targets, probes = [], []
@@ -218,6 +222,20 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _publish_blocks(self) -> None:
+        """Say once when a live peer turns out undialable from here (peerd/pairblocks.py), and name the live peers we
+        cannot dial in our entry, so that nobody makes them lead or own shards."""
+        m = self.d.membership
+        for pid, hold in m.blocks.drain_news():
+            log.warning(
+                "peer %s is live to the others but this peer cannot dial it: it leads no round and owns no shard "
+                "while that lasts (next try in %.0f s)",
+                pid[:8],
+                hold,
+            )
+        if m.publish_unreachable() and self.d.metrics is not None:
+            self.d.metrics.undialable_peers.set(len(self.d.me.unreachable))
 
     def _forgive_stall(self, late: float) -> None:
         """A wait of this loop ended `late` seconds after it was due: our loop stalled, so nobody's silence grows by
@@ -392,7 +410,18 @@ class Gossip:
                 down = mark == "refused" and refused
             if exc.code() in UNREACHABLE and down:
                 kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
-                self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}")
+                how = "refused" if turned_away(exc) else "no_answer"
+                self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}", dial=how)
+            elif exc.code() in UNREACHABLE and mark == "down" and not self.d.channels.connected(peer.address, peer):
+                # No connection to a peer others still hear: if its heartbeat keeps coming through them, the route
+                # between us is broken (peerd/pairblocks.py). A refusal is not that: its host answered.
+                if not turned_away(exc):
+                    log.info("gossip to %s got no connection while others hear it: a broken route?", peer.peer_id[:8])
+                    self.d.membership.no_answer(peer.peer_id)
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and mark == "down":
+                # A call that hung on an open connection: a busy link, or a route that broke under it. Only a new
+                # connection tells them apart (Reachability.check_route).
+                self.d.reach.check_route(peer)
             elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # Another process answers at the address (another peer of the run, or another run): the peer we
                 # meant is gone from there, whatever `mark` allows. No answer of its own, so nothing is merged.
@@ -401,6 +430,7 @@ class Gossip:
             return exc.code().name
         self.d.count_sent("gossip", 0, req.ByteSize())
         self.d.timing.local.rtt(peer.peer_id, time.monotonic() - t0)
+        self.d.membership.blocks.reached(peer.peer_id)  # before the merge, whose heartbeat would confirm a block
         self.merge_gossip(resp.peers)
         self.d.reach.observe(peer, resp.observed_address)
         return "answered"

@@ -53,6 +53,7 @@ MATCH_RPC_S = 2 * HOLD_S + 1.0  # a Match call may be held once, plus a round tr
 CONFIRM_GRACE_S = 5.0  # an accepter waits match_timeout + this for the proposer to open the exchange
 BACKOFF_S = (0.01, 0.05)  # random pause after a refusal; lets proposals we hold be answered in between
 PACE_SLACK = 3  # peers more than max_staleness + this many steps behind are catching up (downloading state)
+CONSTRAINED_WEIGHT = 4.0  # how much likelier a partner that cannot dial some live peer is (fewer partners; _pick)
 
 
 class Transport(ExchangeTransport, Protocol):
@@ -215,11 +216,14 @@ class Matchmaker:
         """A random partner, preferring peers at a similar pace (their gossiped `phase_ms` against ours): a peer
         1.5x slower or faster than us or less is as likely as any, one r times off is 1/r^2 as likely. Nobody is
         ever excluded, so the slow and the fast still mix (NoLoCo needs random pairs to keep weights close); they
-        just rarely make each other wait. Peers that have not measured their pace yet count as similar."""
+        just rarely make each other wait. Peers that have not measured their pace yet count as similar. A peer that
+        cannot dial some live peer (its gossiped `unreachable`, peerd/pairblocks.py) has fewer partners than the
+        rest, so it is CONSTRAINED_WEIGHT times as likely: with two such peers in four, proposals between the other
+        two left both of them alone for 27% of their steps."""
         mine = self.phase_s
         if math.isfinite(mine) and mine > 0:
             self.me().phase_ms = min(int(mine * 1000), 2**32 - 1)  # published with our next signed entry
-        weights = [pace_weight(mine, p.phase_ms / 1000.0) for p in cands]
+        weights = [pace_weight(mine, p.phase_ms / 1000.0) * (CONSTRAINED_WEIGHT if p.unreachable else 1) for p in cands]
         return self.rng.choices(cands, weights=weights)[0]
 
     async def _propose(self, target: pb.PeerInfo, step: int) -> pb.MatchResponse | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from peerd.beats import BeatChain, hash_up, hashes_to
 from peerd.identity import peer_id_of, verify
+from peerd.pairblocks import PairBlocks, named_by_anyone
 from peerd.v1 import peerd_pb2 as pb
 
 MAX_PEERS = 4096  # a gossip message with more entries than this is refused rather than stored
@@ -110,6 +111,7 @@ class Membership:
         self.excluded: Callable[[str], bool] = lambda peer_id: False
         self.view = View((), 0, ())
         self.step_seen: dict[int, float] = {}  # outer step -> when gossip first showed a peer at it (the last 16)
+        self.blocks = PairBlocks()  # live peers we cannot dial though others hear them (peerd/pairblocks.py)
 
     @property
     def self_id(self) -> str:
@@ -160,6 +162,10 @@ class Membership:
                     self.restarts.append((pid, cur.info.incarnation, info.incarnation))
                 if now - cur.last_advance >= self.peer_timeout:
                     cur.first_seen = now  # back from the dead: it must settle again before it may lead
+                if info.incarnation != cur.info.incarnation or info.address != cur.info.address:
+                    self.blocks.reached(pid)  # another process, or another address: what we failed to dial is gone
+                else:
+                    self.blocks.advanced(pid, now, self.peer_timeout, int(info.heartbeat))
                 if cur.step_hint > info.outer_step and (
                     info.state_digest != cur.info.state_digest or info.incarnation > cur.info.incarnation
                 ):
@@ -217,15 +223,62 @@ class Membership:
         del self.entries[min(dead)[1]]
         return True
 
-    def mark_unreachable(self, peer_id: str, now: float | None = None, why: str = "", address: str = "") -> None:
+    def mark_unreachable(
+        self, peer_id: str, now: float | None = None, why: str = "", address: str = "", *, dial: str = ""
+    ) -> None:
         """We could not dial this peer: treat it as dead until its heartbeat advances again. `why` says what failed
         (the "lost" line carries it). With `address` (the one we dialled), only while the peer still announces it: a
-        peer that announced another address since restarted elsewhere, and that process is alive."""
+        peer that announced another address since restarted elsewhere, and that process is alive. `dial` says how a
+        connection of ours failed (peerd/pairblocks.py): "refused" (refused or reset: the route works, the process is
+        gone) ends any block; "no_answer" (no connection at all) is what a route broken between us and a live peer
+        gives, so a block in force explains it and the peer stays live, and otherwise it counts as evidence of one.
+        "" is not a dial (a ban, a blame)."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
-        if entry is not None and (not address or entry.info.address == address):
-            entry.unreachable_until = now + self.peer_timeout
-            entry.unreachable_why = why
+        if entry is None or (address and entry.info.address != address):
+            return
+        if dial == "refused":
+            self.blocks.reached(peer_id)
+        elif (
+            dial == "no_answer"
+            and self._heard(peer_id, now)
+            and self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat))
+        ):
+            return
+        entry.unreachable_until = now + self.peer_timeout
+        entry.unreachable_why = why
+
+    def no_answer(self, peer_id: str, now: float | None = None) -> None:
+        """A dial of ours got no answer from a peer we still count live: evidence of a block (peerd/pairblocks.py)
+        if its heartbeat keeps coming through others; nothing else changes."""
+        now = time.monotonic() if now is None else now
+        entry = self.entries.get(peer_id)
+        if entry is not None and self._heard(peer_id, now):
+            self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat))
+
+    def _heard(self, peer_id: str, now: float) -> bool:
+        """Others still carry `peer_id`'s heartbeat to us: only then is a dial of ours without an answer evidence of
+        a route broken between us. A peer silent to us too is behind a split or dead, and a block taken from a
+        failure then started at the heal (the chaos test, in CI: the split's other side led no round for 30 s)."""
+        return self.silent_for(peer_id, now) < self.peer_timeout
+
+    def cannot_dial(self, peer_id: str, now: float | None = None) -> bool:
+        """A live peer we cannot reach ourselves (peerd/pairblocks.py): others carry what it says; do not dial it."""
+        return self.blocks.blocked(peer_id, time.monotonic() if now is None else now)
+
+    def publish_unreachable(self, now: float | None = None) -> bool:
+        """Name the live peers we cannot dial in our own entry; True when that changed it."""
+        now = time.monotonic() if now is None else now
+        named = self.blocks.named((pid for pid in self.entries if self.is_alive(pid, now)), now)
+        if list(self.me.unreachable) == named:
+            return False
+        del self.me.unreachable[:]
+        self.me.unreachable.extend(named)
+        return True
+
+    def named_unreachable(self, members: Iterable[pb.PeerInfo], now: float | None = None) -> set[str]:
+        """The ids of `members` some live peer (ourselves included) cannot dial: they may not lead or own shards."""
+        return named_by_anyone(members, self.alive(now))
 
     def unreachable_why(self, peer_id: str) -> str:
         entry = self.entries.get(peer_id)

@@ -184,6 +184,12 @@ class PeerMetrics:
         self.alive_peers = Gauge(
             "peerd_alive_peers", "Peers seen alive recently, this one included.", registry=registry
         )
+        self.undialable_peers = Gauge(
+            "peerd_undialable_peers",
+            "Live peers this peer cannot dial although others hear them (a route broken between two hosts only): "
+            "they lead no round and own no shard.",
+            registry=registry,
+        )
         self.expected_peers = Gauge(
             "peerd_expected_peers",
             "Peers the run expects in a round: live, or seen live within network.forget_after (this one included).",

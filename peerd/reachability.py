@@ -53,6 +53,8 @@ RETRY_S = 2.0  # a probe call that got no answer (the helper was starting, starv
 # another peer where there is one, this long after, doubling with each such failure up to RECHECK_S. Waiting RECHECK_S
 # left a blocked joiner whose pre-join probe failed counted as dialable, and so dialled by everyone, for 30 s.
 MAX_CONCURRENT_PROBES = 4
+ROUTE_CHECK_S = 10.0  # a hung call re-checks the route to its peer at most this often (check_route)
+ROUTE_CONNECT_S = 5.0  # a new connection with no answer in this long is evidence of a broken route
 YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
 
@@ -117,6 +119,8 @@ class Reachability:
         self._outbound_verdicts = 0  # outbound-only verdicts in a row (the re-check backoff)
         self._task: asyncio.Task | None = None
         self._alone_warned = False
+        self._route_next: dict[str, float] = {}  # peer -> no route check before this monotonic time
+        self._route_tasks: set[asyncio.Task] = set()
 
     # -- our own verdict -----------------------------------------------------------------------------------------
     def line(self) -> str:
@@ -224,7 +228,7 @@ class Reachability:
     def dial_targets(self, peers: Iterable[pb.PeerInfo]) -> list[pb.PeerInfo]:
         """The peers we may dial among `peers`; says once, in one line, when we are outbound-only and nobody is."""
         peers = list(peers)
-        out = [p for p in peers if dialable(p)]
+        out = [p for p in peers if dialable(p) and not self.d.membership.cannot_dial(p.peer_id)]
         if self.d.me.outbound_only and peers and not out:
             if not self._alone_warned:
                 log.warning(
@@ -235,6 +239,34 @@ class Reachability:
         elif out:
             self._alone_warned = False
         return out
+
+    def check_route(self, peer: pb.PeerInfo) -> None:
+        """A call to `peer` hung on an open connection while others still hear it: open a new TCP connection to it
+        (at most once per ROUTE_CHECK_S per peer). One that gets no answer within ROUTE_CONNECT_S is evidence that
+        the route between us broke under the old one (peerd/pairblocks.py); gRPC's keepalive would take 50 s to say
+        so, and a busy link still completes a handshake. A starved peer's kernel answers for it."""
+        now = time.monotonic()
+        m = self.d.membership
+        if now < self._route_next.get(peer.peer_id, 0.0) or m.silent_for(peer.peer_id) >= m.peer_timeout:
+            return
+        self._route_next[peer.peer_id] = now + ROUTE_CHECK_S
+        task = asyncio.ensure_future(self._route(peer))
+        self._route_tasks.add(task)
+        task.add_done_callback(self._route_tasks.discard)
+
+    async def _route(self, peer: pb.PeerInfo) -> None:
+        try:
+            host, port = split_address(peer.address)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ROUTE_CONNECT_S)
+        except (ConnectionRefusedError, ConnectionResetError, ValueError):
+            return  # its host answered (or the address is not one to dial): no broken route
+        except (OSError, asyncio.TimeoutError):
+            log.info(
+                "a new connection to %s got no answer in %.0f s: a broken route?", peer.peer_id[:8], ROUTE_CONNECT_S
+            )
+            self.d.membership.no_answer(peer.peer_id)
+            return
+        writer.close()
 
     def yield_to_outbound(self, match_timeout: float) -> float:
         """NoLoCo: seconds a reachable peer waits at its boundary for a proposal before proposing itself, while

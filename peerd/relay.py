@@ -63,8 +63,10 @@ def relay_of(daemon: Daemon, peer: pb.PeerInfo) -> pb.PeerInfo | None:
 
 
 def pair_targets(daemon: Daemon, peers: list[pb.PeerInfo]) -> list[pb.PeerInfo]:
-    """NoLoCo: the peers we can propose to, directly or through their relay."""
-    out = [p for p in peers if dialable(p) or relay_of(daemon, p) is not None]
+    """NoLoCo: the peers we can propose to, directly or through their relay; not those we cannot dial although
+    others hear them (peerd/pairblocks.py): a proposal to them waits out its deadline for nothing."""
+    m = daemon.membership
+    out = [p for p in peers if (dialable(p) and not m.cannot_dial(p.peer_id)) or relay_of(daemon, p) is not None]
     return out if out else daemon.reach.dial_targets(peers)  # says so when nobody is reachable
 
 

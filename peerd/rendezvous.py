@@ -402,8 +402,16 @@ class RendezvousLeader:
                 if carried not in ids and carried not in group.carried:
                     group.carried.append(carried)
                     group.carried_by.append(p.peer_id)
-        flagged = [p.peer_id for p in members if self.flagged(p.peer_id)]
-        if len(flagged) < sum(not p.outbound_only for p in members):  # someone must still own shards
+        # No shards for members the swarm flags (they would slow every shard they own) nor for members a live peer
+        # cannot dial (peerd/pairblocks.py: that peer's contribution could not reach them), while someone still can.
+        unreached = self.membership.named_unreachable(members)
+        owners = [p for p in members if not p.outbound_only and p.peer_id not in unreached]
+        if owners:
+            group.no_shards.extend(p.peer_id for p in members if not p.outbound_only and p.peer_id in unreached)
+        else:
+            owners = [p for p in members if not p.outbound_only]
+        flagged = [p.peer_id for p in owners if self.flagged(p.peer_id)]
+        if len(flagged) < len(owners):  # someone must still own shards
             group.no_shards.extend(flagged)
         group.part_bytes = part_bytes_for(self.stream_rate(p.peer_id) for p in members)
         first = min(pend.joined_at.values(), default=0.0)

@@ -22,7 +22,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
-from peerd.channels import UNREACHABLE
+from peerd.channels import UNREACHABLE, turned_away
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
 from peerd.group_delta import DeltaError, LeaderLists, MemberList
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from peerd.daemon import Daemon
 
 log = logging.getLogger("peerd")
+DIAL_S = 5.0  # a leader we cannot connect to within this is tried no longer (peerd/pairblocks.py)
 
 LINGER_ROUNDS = 2
 """Completed rounds that stay registered, holding the averaged shards they received, until their deadline: a member
@@ -51,6 +52,11 @@ class PeerSilent(Exception):
     def __init__(self, peer_id: str) -> None:
         super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
         self.peer_id = peer_id
+
+
+class LeaderUndialable(Exception):
+    """The leader a rendezvous waits on turned out undialable from here, though live to others (peerd/pairblocks.py):
+    try the next one, without naming it a suspect (the others reach it)."""
 
 
 class RoundClient:
@@ -124,9 +130,12 @@ class RoundClient:
 
     def _first_leader(self, peers: list[pb.PeerInfo]) -> pb.PeerInfo | None:
         """The lowest-id peer of `peers` (in id order) that may lead: dialable, not sponsored (it joins no round, and
-        its link is the slow one), and not flagged slow or faulty in our last round (peerd/timings.py) unless every
-        dialable one is."""
+        its link is the slow one), not named undialable by a live peer (peerd/pairblocks.py: that peer could not
+        join), and not flagged slow or faulty in our last round (peerd/timings.py), each unless every dialable one
+        is."""
         able = [p for p in peers if dialable(p) and not p.sponsor] or [p for p in peers if dialable(p)]
+        named = self.d.membership.named_unreachable(able)
+        able = [p for p in able if p.peer_id not in named] or able
         unflagged = [p for p in able if p.peer_id not in self.no_lead]
         return (unflagged or able or [None])[0]
 
@@ -135,7 +144,9 @@ class RoundClient:
         assert self.d.leader is not None
         pid = self.d.leader.handed_to(step, fragment)
         info = self.d.membership.get(pid) if pid is not None and pid not in excluded else None
-        return info if info is not None and self.d.membership.is_alive(info.peer_id) and dialable(info) else None
+        m = self.d.membership
+        ok = info is not None and m.is_alive(info.peer_id) and dialable(info) and not m.cannot_dial(info.peer_id)
+        return info if ok else None
 
     def _plausible_step(self) -> int:
         steps = sorted(p.outer_step for p in self.d.membership.alive())
@@ -218,10 +229,25 @@ class RoundClient:
                 self.d.identity,
                 self.d.run_id,
             )
+            if not await self.d.channels.ready(target.address, target, DIAL_S):
+                # No connection at all while gossip through others shows the leader live: a route broken between
+                # us (peerd/pairblocks.py). Not a suspect for the next leader: the others reach it.
+                log.warning("round leader %s: no connection in %.0f s; trying the next", target.peer_id[:8], DIAL_S)
+                tried.add(target.peer_id)
+                self.d.membership.mark_unreachable(target.peer_id, why="rendezvous: no connection", dial="no_answer")
+                target = None
+                continue
             self.d.count_sent("rendezvous", 0, req.ByteSize())
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
-                resp = await self._unless_silent(call, [target.peer_id])
+                resp = await self._unless_silent(call, [target.peer_id], leader=True)
+            except LeaderUndialable:
+                # A route broken under an open connection: the call hung on it until now (a new dial meets the
+                # 5 s check above).
+                log.warning("round leader %s cannot be dialled from here; trying the next", target.peer_id[:8])
+                tried.add(target.peer_id)
+                target = None
+                continue
             except PeerSilent as exc:
                 log.warning("round leader %s went silent (%s); trying the next", target.peer_id[:8], exc)
                 tried.add(target.peer_id)
@@ -234,7 +260,8 @@ class RoundClient:
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
                 gone.add(target.peer_id)
-                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}")
+                how = "refused" if turned_away(exc) else "no_answer"
+                self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}", dial=how)
                 target = None
                 continue
             if resp.WhichOneof("result") == "redirect":
@@ -276,7 +303,8 @@ class RoundClient:
     def _held_round_member(self, tried: set[str]) -> Callable[[str], pb.PeerInfo | None]:
         def usable(pid: str) -> pb.PeerInfo | None:
             info = self.d.membership.get(pid)
-            ok = pid not in tried and info is not None and self.d.membership.is_alive(pid) and dialable(info)
+            m = self.d.membership
+            ok = pid not in tried and info is not None and m.is_alive(pid) and dialable(info) and not m.cannot_dial(pid)
             return info if ok else None
 
         return usable
@@ -287,13 +315,15 @@ class RoundClient:
         peers: list[str],
         on_silent: Callable[[str], None] | None = None,
         incarnations: dict[str, int] | None = None,
+        leader: bool = False,
     ) -> Any:
         """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
         twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
         the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
         Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
         `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent).
-        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too."""
+        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too.
+        `leader`: the work is a rendezvous with `peers[0]`, given up (LeaderUndialable) once we cannot dial it."""
         task = asyncio.ensure_future(work)
         limit = 2 * self.d.cfg.network.peer_timeout
         try:
@@ -301,6 +331,8 @@ class RoundClient:
                 done, _ = await asyncio.wait({task}, timeout=self.d.cfg.network.gossip_interval)
                 if done:
                     return task.result()
+                if leader and self.d.membership.cannot_dial(peers[0]):
+                    raise LeaderUndialable(peers[0])
                 silent = next(
                     (p for p in peers if self.d.membership.silent_for(p) > limit or self._restarted(p, incarnations)),
                     None,
@@ -351,7 +383,7 @@ class RoundClient:
     def _unreachable_at(self, peer_id: str, address: str) -> None:
         """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
         since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address)
+        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial="refused")
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""

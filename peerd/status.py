@@ -126,9 +126,13 @@ def format_status(st: pb.StatusResponse) -> str:
         lines.append(f"idle       {st.compute_idle_seconds:.1f}s of {busy:.1f}s ({st.compute_idle_seconds / busy:.1%})")
     lines.append(f"peers      {len(alive)} alive of {len(st.peers)} known; the run expects {len(st.expected)}")
     flags = swarm_flags([p for p in st.peers if p.peer_id in alive])
+    # peers some live peer cannot dial (peerd/pairblocks.py), by id prefix -> who says so
+    undialable = {x: v.peer_id[:8] for v in st.peers if v.peer_id in alive for x in v.unreachable}
     for p in sorted(st.peers, key=lambda p: p.peer_id):
         mark = "alive" if p.peer_id in alive else ("left" if p.left else "dead")
         mark += ", outbound-only" if p.outbound_only else ""
+        who = undialable.get(p.peer_id[:16])
+        mark += f", UNDIALABLE from {who} (no leading, no shards)" if who else ""
         mark += f", FLAGGED {flags[p.peer_id]} (no leading, no shards)" if p.peer_id in flags else ""
         mark += f", SPONSORED by {p.sponsor[:8]} (its work comes through it)" if p.sponsor else ""
         lines.append(f"  {p.peer_id[:16]}  {p.address:<22} step {p.outer_step:<5} {mark}")

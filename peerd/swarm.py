@@ -232,7 +232,8 @@ class _DaemonSponsoring:
                 )
             chosen = None
             if plan == "sponsor":
-                chosen = choose_sponsor(me, d.membership.alive(include_self=False), d.timing.is_flagged)
+                reach = [p for p in d.membership.alive(include_self=False) if not d.membership.cannot_dial(p.peer_id)]
+                chosen = choose_sponsor(me, reach, d.timing.is_flagged)  # one we can dial (peerd/pairblocks.py)
             pid = chosen.peer_id if chosen is not None else ""
             if pid != d.me.sponsor:
                 if pid:

@@ -196,9 +196,13 @@ def test_a_probe_marks_a_refused_peer_at_once_and_a_frozen_one_never() -> None:
             membership=m, identity=me, run_id=b"r" * 16, count_sent=lambda *a: None,
             cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=1.0, gossip_entries=8)),
             channels=SimpleNamespace(membership=stub, connected=lambda address, peer=None: True),
+            reach=SimpleNamespace(check_route=lambda peer: routes.append(peer.peer_id)),
         )  # fmt: skip
+        routes: list[str] = []
         oks = await asyncio.gather(*(g._gossip_one(info, mark) for (_, mark), info in peers.items()))
         assert not any(oks)
+        # a tick's call that hung on an open connection asks whether a new one gets an answer (peerd/pairblocks.py)
+        assert routes == [peers[("frozen", "down")].peer_id]
         for c in channels.values():
             await c.close()
         refused = peers[("refused", "refused")].peer_id

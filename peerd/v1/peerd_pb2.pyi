@@ -64,7 +64,7 @@ class Auth(_message.Message):
     def __init__(self, run_id: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., timestamp_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., admission: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "beat_base", "beat_proof", "outbound_only", "relay", "relays", "slow", "faulty", "phase_ms", "sponsor")
+    __slots__ = ("peer_id", "public_key", "address", "metrics_address", "heartbeat", "outer_step", "state_digest", "left", "incarnation", "suspects", "tls_cert", "work", "finished", "signature", "part_digests", "beat_base", "beat_proof", "outbound_only", "relay", "relays", "unreachable", "slow", "faulty", "phase_ms", "sponsor")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class PeerInfo(_message.Message):
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     SLOW_FIELD_NUMBER: _ClassVar[int]
     FAULTY_FIELD_NUMBER: _ClassVar[int]
     PHASE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -109,11 +110,12 @@ class PeerInfo(_message.Message):
     outbound_only: bool
     relay: str
     relays: bool
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
     slow: _containers.RepeatedScalarFieldContainer[str]
     faulty: _containers.RepeatedScalarFieldContainer[str]
     phase_ms: int
     sponsor: str
-    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., beat_base: _Optional[int] = ..., beat_proof: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ..., phase_ms: _Optional[int] = ..., sponsor: _Optional[str] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., heartbeat: _Optional[int] = ..., outer_step: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., left: _Optional[bool] = ..., incarnation: _Optional[int] = ..., suspects: _Optional[_Iterable[str]] = ..., tls_cert: _Optional[bytes] = ..., work: _Optional[int] = ..., finished: _Optional[bool] = ..., signature: _Optional[bytes] = ..., part_digests: _Optional[_Iterable[bytes]] = ..., beat_base: _Optional[int] = ..., beat_proof: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relays: _Optional[bool] = ..., unreachable: _Optional[_Iterable[str]] = ..., slow: _Optional[_Iterable[str]] = ..., faulty: _Optional[_Iterable[str]] = ..., phase_ms: _Optional[int] = ..., sponsor: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("auth", "self", "run_spec_json", "dialed_address")
