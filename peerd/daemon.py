@@ -116,6 +116,7 @@ class Daemon:
             sign=identity.sign,
             forget_after=net.forget_after,
         )
+        self.membership.lineages = self.ranked
         self.verifier = Verifier(self.run_id)
         # Security (SECURITY.md): TLS identity, admission policy, bans, contribution checks and resource limits.
         self.insecure = insecure

@@ -98,6 +98,9 @@ class Membership:
         self.settle_s = settle_s
         self.run_id = run_id
         self.forget_after = forget_after
+        # Does a new state digest mean another lineage? Only where states are ranked (DiLoCo, Streaming: set by the
+        # daemon). Under ddp and NoLoCo the digest changes with every publish of one model (step hints below).
+        self.lineages = True
         self._sign = sign
         self._signed_body = b""
         self._chain: BeatChain | None = None  # proves our heartbeats between signatures (peerd/beats.py)
@@ -166,13 +169,15 @@ class Membership:
                     self.blocks.reached(pid)  # another process, or another address: what we failed to dial is gone
                 else:
                     self.blocks.advanced(pid, now, self.peer_timeout, int(info.heartbeat))
-                if cur.step_hint > info.outer_step and (
-                    info.state_digest != cur.info.state_digest or info.incarnation > cur.info.incarnation
-                ):
+                other_state = self.lineages and info.state_digest != cur.info.state_digest
+                if cur.step_hint > info.outer_step and (other_state or info.incarnation > cur.info.incarnation):
                     # It now holds another state below the step it finished with us: it adopted another lineage (the
                     # losing side of a split downloads the winner's) or restarted from a checkpoint. A kept hint said
                     # it was past steps it would never reach again: after a heal, the leader of the swarm's step kept
                     # its empty group closed for good on that word, and 5 peers at one state stopped training.
+                    # Not under ddp: there a peer's gossip lags its rounds by up to a publish interval by design,
+                    # and a cleared hint at each publish made the leader drop it from the next round (CI: the other
+                    # peer then trained 13 steps alone while it downloaded).
                     cur.step_hint = -1
                 cur.info = copy_peer(info)
                 cur.last_advance = now

@@ -474,3 +474,18 @@ def test_a_peer_that_adopted_another_state_is_no_longer_taken_as_past_the_step_i
     assert m.step_of(m.get(pid)) == 25
     m.note_round(26, [pid])  # a round shared again afterwards counts again
     assert m.step_of(m.get(pid)) == 26
+
+
+def test_under_ddp_a_new_digest_does_not_unsay_the_steps_a_peer_finished_with_us() -> None:
+    """ddp (and NoLoCo) publish one model every few steps, so a peer's gossip lags the rounds it shares with us, and
+    each publish brings a new digest. That is no other lineage: the hint stays. Cleared, it made the ddp leader leave
+    the peer out of its next round (CI: the other peer trained 13 steps alone while it downloaded)."""
+    a = b"a" * 32
+    pid = _info(a, 1).peer_id
+    for lineages, after in ((False, 3), (True, 0)):
+        m = Membership(_info(b"m" * 32, 1), peer_timeout=5.0, settle_s=0.0)
+        m.lineages = lineages
+        m.merge([_info(a, 1, outer_step=0)], now=0.0)  # before its first publish
+        m.note_round(3, [pid])
+        m.merge([_info(a, 2, outer_step=0, state_digest=b"x" * 32)], now=0.5)  # its first publish, late
+        assert m.step_of(m.get(pid)) == after
