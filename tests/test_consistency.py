@@ -186,6 +186,29 @@ def test_a_state_download_asks_the_best_claim_first_then_the_fastest_uplink() ->
     assert [p.peer_id for p in order] == ["better", "fast", "slow", "new"]
 
 
+def test_a_state_download_prefers_a_far_faster_holder_one_round_behind_the_best() -> None:
+    """A slow-uplink peer owns no shard, finishes each round first and alone holds the newest claim for a moment: a
+    peer catching up after a split downloaded from it (3 s a state) 6 times in a row and never caught up (the chaos
+    test). A holder one round behind with a 4x faster uplink goes first; two steps behind, or not far faster, or
+    against a best holder never measured, rank still decides."""
+    from peerd.statefetch import holder_order
+
+    def holder(pid: str, step: int, work: int) -> pb.PeerInfo:
+        return pb.PeerInfo(peer_id=pid, work=work, outer_step=step, state_digest=pid.encode())
+
+    slow = holder("slow", 84, 201)
+    rates = {"slow": 0.6e6, "fast": 6e6, "far": 60e6, "near": 1.2e6}
+    order = [p.peer_id for p in holder_order([slow, holder("fast", 83, 198)], lambda pid: rates.get(pid, 0.0), 5)]
+    assert order == ["fast", "slow"]
+    two_behind = holder("far", 82, 195)
+    assert holder_order([slow, two_behind], lambda pid: rates.get(pid, 0.0), 5)[0].peer_id == "slow"
+    assert holder_order([slow, holder("near", 83, 198)], lambda pid: rates.get(pid, 0.0), 5)[0].peer_id == "slow"
+    new_top = holder("new", 84, 201)
+    assert holder_order([new_top, holder("fast", 83, 198)], lambda pid: rates.get(pid, 0.0), 5)[0].peer_id == "new"
+    other_fork = holder("fast", 84, 150)  # far less work: another lineage, whatever its link
+    assert holder_order([slow, other_fork], lambda pid: rates.get(pid, 0.0), 5)[0].peer_id == "slow"
+
+
 def test_a_state_names_its_ancestors_so_a_downloader_tells_lag_from_a_fork() -> None:
     """A split's losing half is often behind the winner too, so "behind" used to be its verdict and the fork went
     uncounted (a 5-peer namespace run: the 2-peer side adopted a state 35 steps ahead with forks_healed 0). A state
