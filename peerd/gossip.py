@@ -234,6 +234,10 @@ class Gossip:
                 pid[:8],
                 hold,
             )
+        for pid in m.blocks.drain_checks():  # suspects: a fresh connection confirms or clears each
+            info = m.get(pid)
+            if info is not None and dialable(info):
+                self.d.reach.confirm_route(info)
         if m.publish_unreachable() and self.d.metrics is not None:
             self.d.metrics.undialable_peers.set(len(self.d.me.unreachable))
 

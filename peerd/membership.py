@@ -261,6 +261,14 @@ class Membership:
         if entry is not None and self._heard(peer_id, now):
             self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat))
 
+    def check_failed(self, peer_id: str, now: float | None = None) -> None:
+        """A fresh TCP connection of ours to a peer we still count live got no answer (Reachability._route): it
+        confirms a suspect (peerd/pairblocks.py), and is evidence like any failed dial otherwise."""
+        now = time.monotonic() if now is None else now
+        entry = self.entries.get(peer_id)
+        if entry is not None and self._heard(peer_id, now):
+            self.blocks.check_failed(peer_id, now, int(entry.info.heartbeat))
+
     def _heard(self, peer_id: str, now: float) -> bool:
         """Others still carry `peer_id`'s heartbeat to us: only then is a dial of ours without an answer evidence of
         a route broken between us. A peer silent to us too is behind a split or dead, and a block taken from a

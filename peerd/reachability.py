@@ -31,6 +31,7 @@ from peerd.channels import CHANNEL_OPTIONS
 from peerd.envelope import sign
 from peerd.identity import verify
 from peerd.limits import TokenBucket, remote_ip
+from peerd.pairblocks import CHECK_S
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -54,7 +55,7 @@ RETRY_S = 2.0  # a probe call that got no answer (the helper was starting, starv
 # left a blocked joiner whose pre-join probe failed counted as dialable, and so dialled by everyone, for 30 s.
 MAX_CONCURRENT_PROBES = 4
 ROUTE_CHECK_S = 10.0  # a hung call re-checks the route to its peer at most this often (check_route)
-ROUTE_CONNECT_S = 5.0  # a new connection with no answer in this long is evidence of a broken route
+ROUTE_CONNECT_S = CHECK_S  # a new connection with no answer in this long is evidence of a broken route
 YIELD_FRACTION, YIELD_MAX_S = 0.25, 2.0  # NoLoCo: how long reachable peers leave outbound-only ones the first move
 UNKNOWN, REACHABLE, OUTBOUND_ONLY = "unknown", "reachable", "outbound_only"
 
@@ -121,6 +122,7 @@ class Reachability:
         self._alone_warned = False
         self._route_next: dict[str, float] = {}  # peer -> no route check before this monotonic time
         self._route_tasks: set[asyncio.Task] = set()
+        self._confirming: set[str] = set()  # peers whose confirming connection is in flight (confirm_route)
 
     # -- our own verdict -----------------------------------------------------------------------------------------
     def line(self) -> str:
@@ -254,18 +256,35 @@ class Reachability:
         self._route_tasks.add(task)
         task.add_done_callback(self._route_tasks.discard)
 
+    def confirm_route(self, peer: pb.PeerInfo) -> None:
+        """A suspect of a broken route (peerd/pairblocks.py: a failed dial, then its heartbeat through others): check
+        with a fresh TCP connection before it counts as a block. Unlike check_route, not rate-limited: the suspect's
+        own evidence came first, and one check runs per suspicion."""
+        if peer.peer_id in self._confirming:
+            return
+        self._confirming.add(peer.peer_id)
+        task = asyncio.ensure_future(self._route(peer))
+        self._route_tasks.add(task)
+        task.add_done_callback(self._route_tasks.discard)
+        task.add_done_callback(lambda _t, pid=peer.peer_id: self._confirming.discard(pid))
+
     async def _route(self, peer: pb.PeerInfo) -> None:
+        m = self.d.membership
         try:
             host, port = split_address(peer.address)
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), ROUTE_CONNECT_S)
-        except (ConnectionRefusedError, ConnectionResetError, ValueError):
-            return  # its host answered (or the address is not one to dial): no broken route
+        except ValueError:
+            return  # not an address to dial
+        except (ConnectionRefusedError, ConnectionResetError):
+            m.blocks.reached(peer.peer_id)  # its host answered: the route works (the process may be gone)
+            return
         except (OSError, asyncio.TimeoutError):
             log.info(
                 "a new connection to %s got no answer in %.0f s: a broken route?", peer.peer_id[:8], ROUTE_CONNECT_S
             )
-            self.d.membership.no_answer(peer.peer_id)
+            m.check_failed(peer.peer_id)
             return
+        m.blocks.reached(peer.peer_id)  # a handshake: the route works, whatever a gRPC call met
         writer.close()
 
     def yield_to_outbound(self, match_timeout: float) -> float:

@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 STEPS = 40
 # Rounds that may lack a peer before the pair knows it is blocked: a few when the route is broken from the start (the
-# first dial finds it), more when it breaks under open connections (a gossip call must hang for 2 s, then a new
-# connection get no answer for 5 s: about 8 s, measured 7.6-8.0 s). Before pairblocks.py: 0 full rounds of 40 at 3 of
-# 4 peers with the route broken from the start, 3-26 with it broken at step 3.
+# first dial finds it, a fresh connection confirms it), more when it breaks under open connections (a gossip call
+# must hang for 2 s, then a new connection get no answer for 2 s: measured about 4.5 s; 7.6-8.0 s with 5 s checks).
+# Before pairblocks.py: 0 full rounds of 40 at 3 of 4 peers with the route broken from the start, 3-26 with it broken
+# at step 3.
 EARLY = {"start": 3, "mid-run": 12}
 
 
@@ -76,7 +77,7 @@ def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
     """NoLoCo needs no all-reduce, but a proposal to a peer we cannot dial waits out its deadline, and with two such
     peers in four, pairs of the other two leave both alone. Nobody proposes to a peer it cannot dial, and peers that
     cannot dial someone are likelier partners (matchmaking.CONSTRAINED_WEIGHT). Solo steps of the pair over 40 steps:
-    16 and 8, 14 and 5 before; 3-4 each after (0-2 with no block)."""
+    16 and 8, 14 and 5 before; 1-5 each after (0-2 with no block; 9 once while route checks waited 5 s)."""
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
 

@@ -1,6 +1,7 @@
 """PairBlocks (peerd/pairblocks.py) and its use by Membership: a failed dial followed by the same process's heartbeat
-through others is a block; holds double; a recheck that fails renews the hold without a "lost" verdict; a restart or
-an answered dial ends it. The swarm-level behaviour is tests/test_nontransitive.py (network namespaces)."""
+through others, confirmed by a fresh connection without answer and one more heartbeat, is a block; holds double; a
+recheck that fails renews the hold without a "lost" verdict; a restart or an answered dial ends it. The swarm-level
+behaviour is tests/test_nontransitive.py (network namespaces)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,77 @@ from peerd.v1 import peerd_pb2 as pb
 B = "b" * 64
 
 
-def test_a_failed_dial_then_a_heartbeat_through_others_is_a_block() -> None:
+def _block(blocks: PairBlocks, peer: str, now: float) -> None:
+    """Evidence, two beats through others, a confirming connection without answer, one more beat: a block at `now`."""
+    blocks.dial_failed(peer, now - 0.3, heartbeat=1)
+    blocks.advanced(peer, now - 0.2, 2.0, heartbeat=3)
+    blocks.check_failed(peer, now - 0.1, heartbeat=3)
+    blocks.advanced(peer, now, 2.0, heartbeat=4)
+    assert blocks.blocked(peer, now)
+
+
+def test_a_failed_dial_a_heartbeat_through_others_and_a_failed_check_are_a_block() -> None:
     blocks = PairBlocks()
     assert not blocks.dial_failed(B, 100.0, heartbeat=7)  # an ordinary failure first: the caller marks it unreachable
     blocks.advanced(B, 100.5, peer_timeout=2.0, heartbeat=8)  # maybe in flight before the failure: not yet
-    assert not blocks.blocked(B, 100.5)
-    blocks.advanced(B, 101.0, peer_timeout=2.0, heartbeat=9)
-    assert blocks.blocked(B, 101.0) and blocks.blocked(B, 101.0 + HOLD_S - 0.1)
-    assert not blocks.blocked(B, 101.0 + HOLD_S)
+    assert not blocks.blocked(B, 100.5) and blocks.drain_checks() == []
+    blocks.advanced(B, 101.0, peer_timeout=2.0, heartbeat=9)  # a suspect: a fresh connection is asked for
+    assert not blocks.blocked(B, 101.0) and blocks.drain_checks() == [B] and blocks.drain_checks() == []
+    assert not blocks.dial_failed(B, 101.2, heartbeat=9)  # a gRPC failure meanwhile is not the check
+    blocks.advanced(B, 101.4, peer_timeout=2.0, heartbeat=10)
+    assert not blocks.blocked(B, 101.4)
+    assert not blocks.check_failed(B, 101.5, heartbeat=10)  # the check got no answer either
+    blocks.advanced(B, 101.6, peer_timeout=2.0, heartbeat=10)  # no newer beat yet
+    assert not blocks.blocked(B, 101.6)
+    blocks.advanced(B, 102.0, peer_timeout=2.0, heartbeat=11)  # live after it: live, but not to us
+    assert blocks.blocked(B, 102.0) and blocks.blocked(B, 102.0 + HOLD_S - 0.1)
+    assert not blocks.blocked(B, 102.0 + HOLD_S)
     assert blocks.drain_news() == [(B, HOLD_S)] and blocks.drain_news() == []
-    assert blocks.named([B, "c" * 64], 102.0) == [B[:16]]
+    assert blocks.named([B, "c" * 64], 103.0) == [B[:16]]
+
+
+def test_a_check_that_connects_or_is_refused_clears_the_suspect() -> None:
+    """64 peers on 2 cores: gRPC dials of a starved peer timed out while its heartbeats came through others, and it
+    was blocked; its kernel still answers a handshake. A dead process's host refuses one: no block either."""
+    blocks = PairBlocks()
+    blocks.dial_failed(B, 0.0, heartbeat=1)
+    blocks.advanced(B, 0.5, 2.0, heartbeat=3)
+    assert blocks.drain_checks() == [B]
+    blocks.reached(B)  # the handshake was answered (or refused)
+    blocks.advanced(B, 1.0, 2.0, heartbeat=9)
+    assert not blocks.blocked(B, 1.0) and blocks.drain_checks() == []
+
+
+def test_a_suspect_that_falls_silent_after_the_check_is_no_block() -> None:
+    """A killed peer's last heartbeats may reach us through others after our dial failed; then they stop."""
+    blocks = PairBlocks()
+    blocks.dial_failed(B, 0.0, heartbeat=1)
+    blocks.advanced(B, 0.5, 2.0, heartbeat=3)
+    blocks.check_failed(B, 5.5, heartbeat=3)
+    blocks.advanced(B, 5.6, 2.0, heartbeat=3)  # the same beat again: nothing newer
+    blocks.advanced(B, 8.0, 2.0, heartbeat=4)  # a beat long after the check: too late to say anything
+    assert not blocks.blocked(B, 8.0)
+
+
+def test_a_fresh_connection_without_answer_needs_no_second_one() -> None:
+    """A route check (a call hung on an open connection, then a new connection got no answer) is the fresh dial
+    itself: two beats through others after it make a block, as fast as before the confirmation (about 8 s)."""
+    blocks = PairBlocks()
+    assert not blocks.check_failed(B, 0.0, heartbeat=5)  # not a suspect: evidence, a fresh connection's
+    blocks.advanced(B, 0.5, 2.0, heartbeat=7)
+    assert blocks.blocked(B, 0.5) and blocks.drain_checks() == []
 
 
 def test_a_heartbeat_long_after_the_failure_is_no_block() -> None:
     blocks = PairBlocks()
     blocks.dial_failed(B, 100.0)
     blocks.advanced(B, 103.0, peer_timeout=2.0)  # it was dead for a while and came back: not evidence of a block
-    assert not blocks.blocked(B, 103.0)
+    assert not blocks.blocked(B, 103.0) and blocks.drain_checks() == []
 
 
 def test_a_failed_recheck_renews_the_hold_doubled_and_an_answer_ends_it() -> None:
     blocks = PairBlocks()
-    blocks.dial_failed(B, 0.0)
-    blocks.advanced(B, 1.0, 2.0)
+    _block(blocks, B, 1.0)
     end = 1.0 + HOLD_S
     assert blocks.dial_failed(B, end - 1)  # inside the hold: accounted for, no new hold
     assert blocks.dial_failed(B, end + 1)  # the recheck failed: a longer hold at once
@@ -50,8 +99,7 @@ def test_a_failed_recheck_renews_the_hold_doubled_and_an_answer_ends_it() -> Non
 
 def test_a_block_long_over_is_forgotten() -> None:
     blocks = PairBlocks()
-    blocks.dial_failed(B, 0.0)
-    blocks.advanced(B, 1.0, 2.0)
+    _block(blocks, B, 1.0)
     assert not blocks.dial_failed(B, 1.0 + HOLD_S + MEMORY_S + 1)
 
 
@@ -80,7 +128,10 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
     assert not m.is_alive(b, now=0.6)  # one failed dial: unreachable, as before
     beat(2, 0.65)  # one beat may have been on its way when the dial failed: no block yet
     assert not m.cannot_dial(b, now=0.66)
-    beat(3, 0.7)  # others carried a newer one: live, but not to us
+    beat(3, 0.7)  # others carried a newer one: a suspect, whose route a fresh connection checks
+    assert m.blocks.drain_checks() == [b] and not m.cannot_dial(b, now=0.7)
+    m.check_failed(b, now=0.75)  # no answer
+    beat(4, 0.78)  # live after that: live, but not to us
     assert m.is_alive(b, now=0.8) and m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="rendezvous: no connection", dial="no_answer")
     assert m.is_alive(b, now=1.1)  # a dial that the block explains does not make it dead
@@ -110,7 +161,9 @@ def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
     beat(3, 0.7)
     assert m.is_alive(b, now=0.8) and not m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="gossip UNAVAILABLE", dial="no_answer")
-    beat(5, 1.2)
+    beat(5, 1.1)
+    m.check_failed(b, now=1.15)
+    beat(6, 1.2)
     assert m.cannot_dial(b, now=1.3)
     m.mark_unreachable(b, now=1.4, why="gossip UNAVAILABLE", dial="refused")  # its host answers: the route works
     assert not m.cannot_dial(b, now=1.5) and not m.is_alive(b, now=1.5)
@@ -168,4 +221,6 @@ def test_no_answer_from_a_peer_silent_to_us_too_is_no_evidence() -> None:
     assert m.is_alive(b, now=6.1) and not m.cannot_dial(b, now=6.1)
     m.no_answer(b, now=6.5)  # heard a moment ago: evidence now
     beat(11, 7.0)
+    m.check_failed(b, now=7.05)
+    beat(12, 7.1)
     assert m.cannot_dial(b, now=7.1)
