@@ -5,6 +5,8 @@ behaviour is tests/test_nontransitive.py (network namespaces)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from peerd.membership import Membership
 from peerd.pairblocks import HOLD_MAX_S, HOLD_S, MEMORY_S, PairBlocks, named_by_anyone
 from peerd.v1 import peerd_pb2 as pb
@@ -144,9 +146,8 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
     assert m.is_alive(b, now=1.7) and not m.cannot_dial(b, now=1.7)
 
 
-def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
-    """A killed peer's port refuses; its restarted process then gossips through others. That is a restart, not a
-    route broken between us (the chaos test's restarted peer was once taken for one, and led no round for 30 s)."""
+def _table() -> tuple[Membership, str, Callable[[int, float], None]]:
+    """An unsigned table (merge checks only that ids match keys) and a way to bring it peer b's heartbeat `n`."""
     from peerd.identity import Identity
 
     ident = Identity.generate()
@@ -156,6 +157,13 @@ def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
     def beat(n: int, now: float) -> None:
         m.merge([pb.PeerInfo(peer_id=b, public_key=ident.public_key, address="10.0.0.2:1", heartbeat=n)], now=now)
 
+    return m, b, beat
+
+
+def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
+    """A killed peer's port refuses; its restarted process then gossips through others. That is a restart, not a
+    route broken between us (the chaos test's restarted peer was once taken for one, and led no round for 30 s)."""
+    m, b, beat = _table()
     beat(1, 0.0)
     m.mark_unreachable(b, now=0.5, why="round dial failed", dial="refused")
     beat(3, 0.7)
@@ -205,15 +213,7 @@ def test_status_shows_who_cannot_dial_whom() -> None:
 def test_no_answer_from_a_peer_silent_to_us_too_is_no_evidence() -> None:
     """Across a split the other side is silent to us and our dials get no answer; its heartbeats come back at the
     heal. That is no block: only a peer others still carry to us while we cannot reach it is one."""
-    from peerd.identity import Identity
-
-    ident = Identity.generate()
-    b = ident.peer_id
-    m = Membership(pb.PeerInfo(peer_id="0" * 64, address="10.0.0.1:1"), peer_timeout=2.0)
-
-    def beat(n: int, now: float) -> None:
-        m.merge([pb.PeerInfo(peer_id=b, public_key=ident.public_key, address="10.0.0.2:1", heartbeat=n)], now=now)
-
+    m, b, beat = _table()
     beat(1, 0.0)
     m.no_answer(b, now=5.0)  # silent for 5 s: a route check during the split
     m.mark_unreachable(b, now=5.5, why="gossip DEADLINE_EXCEEDED", dial="no_answer")
