@@ -77,11 +77,13 @@ class RoundBook:
         self, group: pb.Group, result: RoundResult, fragment: int, note: str = "", rendezvous_s: float = 0.0
     ) -> None:
         s = result.stats
-        # DiLoCo and Streaming rounds (recorded on the loop) are judged against the run, not the shrunken live set:
-        # peers seen live within network.forget_after count as expected, so a round held by one half of a split is
-        # partial, and a round of one is a solo step. NoLoCo's rounds are pairs by design and judged by their group
-        # (recorded from the training thread, which never reads the table); it counts its own solo steps.
-        run_level = self.d.cfg.run.algorithm in ("diloco", "streaming")
+        # DiLoCo, Streaming and ddp rounds (recorded on the loop) are judged against the run, not the shrunken live
+        # set: peers seen live within network.forget_after count as expected, so a round held by one half of a split
+        # is partial, and a round of one is a solo step. (ddp was judged by its group: a leader that trained 13 steps
+        # without the other, live peer said "peers 1/1" and counted no solo step.) NoLoCo's rounds are pairs by
+        # design and judged by their group (recorded from the training thread, which never reads the table); it
+        # counts its own solo steps.
+        run_level = self.d.cfg.run.algorithm in ("diloco", "streaming", "ddp")
         # Sponsored peers (peerd/sponsor.py) are in a round when a member carried their work, and otherwise not
         # expected in it: their link brings their work every few rounds, by design.
         sponsored = self.d.membership.sponsored() if run_level else set()

@@ -300,6 +300,25 @@ def test_send_ahead_swarm_pairs_at_the_start_of_each_phase(tmp_path: Path) -> No
 
 # -- the every-step all-reduce baseline ---------------------------------------------------------------------------
 @pytest.mark.slow
+def test_ddp_rounds_without_a_peer_are_counted_as_such(tmp_path: Path) -> None:
+    """ddp is an all-reduce of the whole run, judged like DiLoCo's: once the other peer is killed, the survivor's
+    rounds of one are solo steps, said and counted, not "peers 1/1" (a leader once trained 13 steps that way in CI,
+    with the other peer live and no word of it)."""
+    config = tiny_config(tmp_path, run__algorithm="ddp", run__outer_steps=60)
+    swarm = Swarm(tmp_path, 2, config, env={"PEERD_FAULT_STEP_DELAY_S": "0.1"})
+    with swarm:
+        swarm.wait_until(lambda: _logged_step(swarm.peers[0]) >= 10, 120, "step 10")
+        swarm.peers[1].kill()
+        swarm.wait_exit(240, swarm.peers[:1])
+    s = swarm.peers[0].summary()
+    assert s["finished"] and s["outer_step"] == 60, s
+    assert s["solo_steps"] > 0, (s["solo_steps"], s["rounds_partial"])
+    assert "training alone: no reachable peers" in swarm.peers[0].log(), swarm.peers[0].log_tail()
+    alone = [r for r in s["rounds"] if len(set(r["included"])) == 1]
+    assert alone and all(len(r["expected"]) == 2 for r in alone), alone[:3]
+
+
+@pytest.mark.slow
 def test_ddp_baseline_keeps_peers_identical(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, run__algorithm="ddp", run__outer_steps=15)
     swarm = Swarm(tmp_path, 2, config)
