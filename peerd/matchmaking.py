@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from peerd.channels import connection_failed
+from peerd.channels import connection_failed, turned_away
 from peerd.envelope import sign
 from peerd.identity import Identity
 from peerd.membership import copy_peer
@@ -91,7 +91,7 @@ class Matchmaker:
         candidates: Callable[[], Sequence[pb.PeerInfo]],
         lookup: Callable[[str], pb.PeerInfo | None],
         me: Callable[[], pb.PeerInfo],
-        on_unreachable: Callable[[str], None],
+        on_unreachable: Callable[[str, str], None],
         rng: random.Random,
     ) -> None:
         self.identity = identity
@@ -103,7 +103,7 @@ class Matchmaker:
         self.candidates = candidates
         self.lookup = lookup
         self.me = me
-        self.on_unreachable = on_unreachable  # we could not connect: leave it out a while
+        self.on_unreachable = on_unreachable  # (peer, how the dial failed) we could not connect: leave it out a while
         self.rng = rng
         self._proposing: str | None = None  # target of our outstanding proposal
         self._proposal_done: asyncio.Event | None = None
@@ -237,7 +237,7 @@ class Matchmaker:
         except (grpc.aio.AioRpcError, TimeoutError, OSError, StreamError) as exc:
             log.debug("proposal to %s failed: %s", target.peer_id[:8], exc)
             if connection_failed(exc):
-                self.on_unreachable(target.peer_id)
+                self.on_unreachable(target.peer_id, "refused" if turned_away(exc) else "no_answer")
             return None
         finally:
             self._proposing = None

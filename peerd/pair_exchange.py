@@ -29,7 +29,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, RoundStats
-from peerd.channels import connection_failed, end_call
+from peerd.channels import connection_failed, end_call, turned_away
 from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier
 from peerd.identity import Identity
@@ -200,7 +200,7 @@ class Exchange:
         settings: PairSettings,
         transport: ExchangeTransport,
         on_rejected: Callable[[str], None],
-        on_unreachable: Callable[[str], None],
+        on_unreachable: Callable[[str, str], None],
         still_training: Callable[[], bool],
     ) -> None:
         self.identity = identity
@@ -213,7 +213,7 @@ class Exchange:
         self.settings = settings
         self.transport = transport
         self.on_rejected = on_rejected
-        self.on_unreachable = on_unreachable  # we could not connect: leave it out a while
+        self.on_unreachable = on_unreachable  # (peer, how the dial failed) we could not connect: leave it out a while
         self.still_training = still_training  # not yet at our boundary: we may still accept another proposal
         self.max_wire = codec.max_encoded_size(numel)
         self.session: Session | None = None  # the group we are in now, if any
@@ -391,7 +391,7 @@ class Exchange:
         except (grpc.aio.AioRpcError, RoundFailed, OSError) as exc:
             sess.settle(pid, False, _describe(exc))
             if connection_failed(exc):
-                self.on_unreachable(pid)
+                self.on_unreachable(pid, "refused" if turned_away(exc) else "no_answer")
         except Exception as exc:
             log.warning("exchange with %s failed unexpectedly: %r", pid[:8], exc)
             sess.settle(pid, False, _describe(exc))

@@ -82,7 +82,7 @@ class Pairing:
         lookup: Callable[[str], pb.PeerInfo | None],
         me: Callable[[], pb.PeerInfo],
         on_rejected: Callable[[str], None] | None = None,
-        on_unreachable: Callable[[str], None] | None = None,
+        on_unreachable: Callable[[str, str], None] | None = None,
         note_step: Callable[[str, int], None] | None = None,
         yield_s: Callable[[], float] | None = None,
         rng: random.Random | None = None,
@@ -99,7 +99,8 @@ class Pairing:
         self.settings = settings
         self.kinds = kinds_for(settings.send_ahead)  # what run_round takes and each member sends
         self.me = me
-        on_unreachable = on_unreachable or (lambda peer_id: None)  # we could not connect: leave it out a while
+        # (peer, "refused" or "no_answer"): we could not connect; leave it out a while (peerd/pairblocks.py)
+        on_unreachable = on_unreachable or (lambda peer_id, how: None)
         # A partner finished a step with us: noted beside its gossiped entry (which its own signature covers, so it
         # is never edited), ahead of its gossip.
         self.note_step = note_step or (lambda peer_id, step: None)

@@ -344,7 +344,7 @@ def pair_session(daemon: Daemon, numel: int) -> Pairing:
         lookup=daemon.membership.get,
         me=lambda: daemon.me,
         on_rejected=daemon.count_rejected,
-        on_unreachable=daemon.membership.mark_unreachable,
+        on_unreachable=lambda pid, how: daemon.membership.mark_unreachable(pid, why="pair dial failed", dial=how),
         note_step=daemon.membership.note_step,
         yield_s=lambda: daemon.reach.yield_to_outbound(settings.match_timeout),
     )
