@@ -46,7 +46,7 @@ import grpc
 import torch
 
 from peerd import faults
-from peerd.channels import end_call
+from peerd.channels import dial_failure, end_call
 from peerd.codecs import Codec, CodecError, hostmem
 from peerd.codecs.base import check_input, finite_or_raise
 from peerd.codecs.frame import SealedFrame
@@ -121,13 +121,14 @@ class ReduceRound(Takeover):
         on_invalid: Callable[[str, str], None] | None = None,
         part_bytes: int = PART_BYTES,
         weights: list[float] | None = None,
-        on_unreachable: Callable[[str, str], None] | None = None,
+        on_unreachable: Callable[[str, str, str], None] | None = None,
         seen_gone: Callable[[str], bool] | None = None,
     ) -> None:
         """`guard` checks contributions and replies and picks the aggregation rule (peerd/robust.py); `on_invalid`
         (peer id, reason) hears of every member whose signed data it refused. `part_bytes` bounds one part's frame.
         `weights`: each member's token weight, when the group is weighted (a subset's mean is re-weighted);
-        `on_unreachable` (peer id, address) hears of an owner whose dial failed mid-round (membership marks it).
+        `on_unreachable` (peer id, address, "refused" or "no_answer") hears of an owner whose dial failed mid-round
+        (membership marks it; peerd/pairblocks.py tells the two apart).
         `seen_gone(peer id)`: our own evidence, outside this round, that a member's process in it is gone (not live in
         our gossip view, or restarted since the group formed), which a takeover may rely on (`owner_for`)."""
         self.on_unreachable = on_unreachable
@@ -374,8 +375,11 @@ class ReduceRound(Takeover):
                 if not isinstance(exc, OwnerLost):
                     raise exc
                 self.member_lost(pid)
-                if exc.suspects and self.on_unreachable is not None:  # refused or reset: a failed dial, seen now
-                    self.on_unreachable(pid, self.group.members[target].address)
+                if exc.suspects and self.on_unreachable is not None:  # UNAVAILABLE: a failed dial, seen now
+                    # Refused or reset (the process is gone), or no connection at all: a route broken between us
+                    # is the latter, and taking it for a refusal ended the pair block it was (a streaming run's
+                    # pair then sat out every round, CI).
+                    self.on_unreachable(pid, self.group.members[target].address, dial_failure(exc.__cause__))
             nxt = self._next_in_line(j)
             if nxt is None:
                 raise RoundFailed(f"every peer that could reduce shard {j} is lost", set(self.lost), "peer_lost")

@@ -71,6 +71,12 @@ def turned_away(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
 
 
+def dial_failure(exc: BaseException | None) -> str:
+    """How a failed dial failed, as membership records it (peerd/pairblocks.py): "refused" when the host turned it
+    away, else "no_answer" (for a round's OwnerLost, pass its cause: UNAVAILABLE covers both)."""
+    return "refused" if exc is not None and turned_away(exc) else "no_answer"
+
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

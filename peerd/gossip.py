@@ -18,7 +18,7 @@ import grpc
 
 from peerd import bootstrap, faults, peercache, tls
 from peerd.bootstrap import unspecified
-from peerd.channels import UNREACHABLE, connection_failed, turned_away
+from peerd.channels import UNREACHABLE, connection_failed, dial_failure, turned_away
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
@@ -414,7 +414,7 @@ class Gossip:
                 down = mark == "refused" and refused
             if exc.code() in UNREACHABLE and down:
                 kind = "probe" if mark == "refused" else "gossip"  # the log says which call found it
-                how = "refused" if turned_away(exc) else "no_answer"
+                how = dial_failure(exc)
                 self.d.membership.mark_unreachable(peer.peer_id, why=f"{kind} {exc.code().name}", dial=how)
             elif exc.code() in UNREACHABLE and mark == "down" and not self.d.channels.connected(peer.address, peer):
                 # No connection to a peer others still hear: if its heartbeat keeps coming through them, the route

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from peerd.channels import connection_failed, turned_away
+from peerd.channels import connection_failed, dial_failure
 from peerd.envelope import sign
 from peerd.identity import Identity
 from peerd.membership import copy_peer
@@ -237,7 +237,7 @@ class Matchmaker:
         except (grpc.aio.AioRpcError, TimeoutError, OSError, StreamError) as exc:
             log.debug("proposal to %s failed: %s", target.peer_id[:8], exc)
             if connection_failed(exc):
-                self.on_unreachable(target.peer_id, "refused" if turned_away(exc) else "no_answer")
+                self.on_unreachable(target.peer_id, dial_failure(exc))
             return None
         finally:
             self._proposing = None

@@ -29,7 +29,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import RoundFailed, RoundStats
-from peerd.channels import connection_failed, end_call, turned_away
+from peerd.channels import connection_failed, dial_failure, end_call
 from peerd.codecs import Codec, CodecError
 from peerd.envelope import Verifier
 from peerd.identity import Identity
@@ -391,7 +391,7 @@ class Exchange:
         except (grpc.aio.AioRpcError, RoundFailed, OSError) as exc:
             sess.settle(pid, False, _describe(exc))
             if connection_failed(exc):
-                self.on_unreachable(pid, "refused" if turned_away(exc) else "no_answer")
+                self.on_unreachable(pid, dial_failure(exc))
         except Exception as exc:
             log.warning("exchange with %s failed unexpectedly: %r", pid[:8], exc)
             sess.settle(pid, False, _describe(exc))

@@ -22,7 +22,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
-from peerd.channels import UNREACHABLE, turned_away
+from peerd.channels import UNREACHABLE, dial_failure
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
 from peerd.group_delta import DeltaError, LeaderLists, MemberList
@@ -260,7 +260,7 @@ class RoundClient:
                 log.warning("round leader %s unreachable (%s); trying the next", target.peer_id[:8], exc.code().name)
                 tried.add(target.peer_id)
                 gone.add(target.peer_id)
-                how = "refused" if turned_away(exc) else "no_answer"
+                how = dial_failure(exc)
                 self.d.membership.mark_unreachable(target.peer_id, why=f"rendezvous {exc.code().name}", dial=how)
                 target = None
                 continue
@@ -393,10 +393,11 @@ class RoundClient:
             and self.d.membership.restarted_since(peer_id, incarnations[peer_id])
         )
 
-    def _unreachable_at(self, peer_id: str, address: str) -> None:
-        """A round's dial of `peer_id` at `address` failed: mark it unreachable, unless it announced another address
-        since the group formed (it restarted elsewhere: this incarnation is alive)."""
-        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial="refused")
+    def _unreachable_at(self, peer_id: str, address: str, how: str = "refused") -> None:
+        """A round's dial of `peer_id` at `address` failed (`how`: "refused" or "no_answer"): mark it unreachable,
+        unless it announced another address since the group formed (it restarted elsewhere: this incarnation is
+        alive)."""
+        self.d.membership.mark_unreachable(peer_id, why="round dial failed", address=address, dial=how)
 
     def fail_round_with(self, round_id: bytes, peer_id: str, reason: str) -> None:
         """A member of our round `round_id` is refused here (banned, not admitted): abort the round naming it."""

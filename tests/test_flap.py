@@ -1,7 +1,9 @@
 """A flaky link: one volunteer's connection drops for a second or two and comes back, again and again (Wi-Fi, a
 mobile uplink, a router that reboots). Each drop is shorter than the others' patience for a silent peer, or just
 longer; either way the run must end on one model with every peer finished, every round honest about whom it had, and
-the flaky peer back in every round once its link holds.
+the flaky peer's work in every round once its link has held for a few seconds. Under load the drops' late
+contributions can get it flagged slow: then its work comes through a sponsor (peerd/sponsor.py, counted as carried)
+until the verdict clears, 9-37 s after the last drop in two runs.
 
 Needs root for the namespaces (CI runs as root); skips with the reason otherwise.
 """
@@ -18,7 +20,8 @@ from tests.test_swarm_diloco import assert_identical_globals
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-STEPS = 90  # about 0.4 s a step here: the drops take 15 s, and a steady tail follows them
+STEPS = 120  # about 0.35 s a step here: the drops take 15 s, the settling 12 s, and a steady tail follows
+SETTLE_S = 12.0  # catching up after the last drop
 FLAKY = 1
 DROPS = [(1.0, 1.5), (3.0, 1.5), (0.5, 1.0), (2.5, 2.0), (1.5, 1.0)]  # (down s, up s), around peer_timeout (2 s)
 
@@ -40,7 +43,8 @@ def test_a_peer_on_a_flaky_link_ends_in_the_run(
             time.sleep(down)
             net.restore(FLAKY)
             time.sleep(up)
-        steady_from = max(_logged_step(p) for p in swarm.peers) + 6  # a few steps to catch up after the last drop
+        time.sleep(SETTLE_S)
+        steady_from = max(_logged_step(p) for p in swarm.peers) + 1
         assert steady_from < STEPS - 10, steady_from  # the flapping ended mid-run: there is a steady tail to check
         swarm.wait_exit(240)
     summaries = [p.summary() for p in swarm.peers]
@@ -54,7 +58,7 @@ def test_a_peer_on_a_flaky_link_ends_in_the_run(
         return
     assert_identical_globals([p.data_dir for p in swarm.peers])
     _check_honest(summaries)
-    # Once the link holds, the flaky peer is in every round again: no hold, block or flag outlives the flapping.
+    # Once the link holds, the flaky peer's work is in every round again, itself or carried by a sponsor.
     ids = {s["peer_id"] for s in summaries}
     for s in summaries:
         tail = [r for r in s["rounds"] if r["step"] >= steady_from]

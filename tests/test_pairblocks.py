@@ -224,3 +224,27 @@ def test_no_answer_from_a_peer_silent_to_us_too_is_no_evidence() -> None:
     m.check_failed(b, now=7.05)
     beat(12, 7.1)
     assert m.cannot_dial(b, now=7.1)
+
+
+def test_a_round_owner_without_answer_is_no_refusal() -> None:
+    """A round's exchange with an owner across a broken route fails UNAVAILABLE, as a refused one does: the round
+    moves the shard on (OwnerLost) either way, but only a refusal ends a pair block. Taking both for refusals ended the
+    block at every round, and a streaming run's blocked pair sat out all 79 rounds (CI)."""
+    import grpc
+
+    from peerd.channels import dial_failure
+    from peerd.roundtypes import OwnerLost
+
+    def lost(details: str) -> OwnerLost:
+        try:
+            try:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, details=details)  # type: ignore[arg-type]
+            except grpc.aio.AioRpcError as exc:
+                raise OwnerLost("exchange failed", {"x"}, "peer_lost") from exc
+        except OwnerLost as owner_lost:
+            return owner_lost
+
+    no_answer = "failed to connect to all addresses; Timeout occurred: FD Shutdown"
+    assert dial_failure(lost(no_answer).__cause__) == "no_answer"
+    assert dial_failure(lost("Connection refused").__cause__) == "refused"
+    assert dial_failure(None) == "no_answer"
