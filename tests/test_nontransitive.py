@@ -77,7 +77,7 @@ def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
     """NoLoCo needs no all-reduce, but a proposal to a peer we cannot dial waits out its deadline, and with two such
     peers in four, pairs of the other two leave both alone. Nobody proposes to a peer it cannot dial, and peers that
     cannot dial someone are likelier partners (matchmaking.CONSTRAINED_WEIGHT). Solo steps of the pair over 40 steps:
-    16 and 8, 14 and 5 before; 1-5 each after (0-2 with no block; 9 once while route checks waited 5 s)."""
+    16 and 8, 14 and 5 before; 1-6 each after (0-2 with no block; 9 once while route checks waited 5 s)."""
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
 
