@@ -198,8 +198,10 @@ class _DaemonSponsoring:
     def __init__(self, daemon: Daemon, desk: SponsorDesk) -> None:
         self.daemon = daemon
         self.desk = desk
-        # A verdict lifts after RECOVER normal rounds; two more rounds let the others' verdicts reach us by gossip
-        self.probe = SponsorProbe(daemon.cfg.outer.sponsor_probe, RECOVER + 2)
+        # A verdict lifts after RECOVER normal rounds; two more rounds, and three gossip intervals at least, let the
+        # others' lifted verdicts reach us by gossip
+        net = daemon.cfg.network
+        self.probe = SponsorProbe(daemon.cfg.outer.sponsor_probe, RECOVER + 2, min_s=3 * net.gossip_interval)
         self.probe_step = 0  # our outer step when the probe began: rounds from there on count for it
 
     def target(self) -> str:

@@ -3,7 +3,8 @@ mobile uplink, a router that reboots). Each drop is shorter than the others' pat
 longer; either way the run must end on one model with every peer finished, every round honest about whom it had, and
 the flaky peer's work in every round once its link has held for a few seconds. Under load the drops' late
 contributions can get it flagged slow: then its work comes through a sponsor (peerd/sponsor.py, counted as carried)
-until the verdict clears, 9-37 s after the last drop in two runs.
+until the verdict clears: 9 s after the last drop in one run, 37 s in another, before probation lasted three
+gossip intervals at least (peerd/sponsor.py).
 
 Needs root for the namespaces (CI runs as root); skips with the reason otherwise.
 """

@@ -150,6 +150,19 @@ def test_a_sponsored_peer_probes_rounds_backing_off_while_its_link_stays_slow() 
     assert {never.next(True) for _ in range(50)} == {"sponsor"}
 
 
+def test_probation_lasts_long_enough_for_the_lifted_verdicts_to_arrive() -> None:
+    """With rounds of 0.3 s, 5 probation rounds ended in 1.7 s, before the others' lifted verdicts came by gossip:
+    a flaky peer whose link had recovered was judged still slow twice, and stayed sponsored 37 s after its last drop
+    (tests/test_flap.py). Probation now lasts `min_s` too (three gossip intervals in the daemon)."""
+    probe = SponsorProbe(every=1, rounds=3, min_s=3.0)
+    assert [probe.next(True, now=0.0), probe.next(True, now=0.3)] == ["sponsor", "probe"]
+    assert [probe.next(True, joined, now=0.3 + 0.3 * joined) for joined in (1, 2, 3, 4)] == ["rounds"] * 4
+    assert probe.next(False, 5, now=2.1) == "rounds" and probe.recovered == 1 and probe.every == 1  # lifted in time
+    assert [probe.next(True, now=t) for t in (3.0, 3.3)] == ["sponsor", "probe"]
+    assert [probe.next(True, 3, now=t) for t in (3.6, 5.0, 6.4)] == ["rounds", "rounds", "sponsor"]  # 3 s went by
+    assert probe.every == 2
+
+
 def test_a_sponsored_peer_times_its_snapshot_by_what_the_sponsor_held() -> None:
     peer = SponsoredPeer(port=None)  # type: ignore[arg-type]
     peer.sent_base = 5
