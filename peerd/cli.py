@@ -403,6 +403,13 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
         finally:
             shutdown.stopping()
         worker.write_summary()
+        if worker.stranded:
+            raise UserError(
+                f"the run finished without this peer and no peer could serve its final state; this peer stopped at "
+                f"outer step {worker.outer_step}. Restart it with --bootstrap of a peer that still holds the run's "
+                "end, or start a new run",
+                code=1,
+            )
     except Interrupted as exc:
         shutdown.stopping()
         kept = "no checkpoint was written yet"

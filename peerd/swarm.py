@@ -129,6 +129,9 @@ class Swarm(Protocol):
     def swarm_step(self) -> int:
         """The newest outer step any live peer announced (-1: none)."""
 
+    def finished_step(self) -> int:
+        """The newest outer step any peer, live or gone since (its signed leave), announced finishing at (-1: none)."""
+
     def peer_steps(self) -> list[int]:
         """The outer step every other live peer announced."""
 
@@ -400,6 +403,13 @@ class DaemonSwarm:
 
     def swarm_step(self) -> int:
         return max(self.peer_steps(), default=-1)
+
+    def finished_step(self) -> int:
+        async def newest() -> int:  # on the loop, which owns the table
+            m = self.daemon.membership
+            return max((e.info.outer_step for e in m.entries.values() if e.info.finished), default=-1)
+
+        return self.daemon.call(newest(), timeout=10.0)
 
     def peer_steps(self) -> list[int]:
         async def steps() -> list[int]:  # on the loop, which owns the table

@@ -180,6 +180,7 @@ class Worker:
         self.autocast = self.device.type == "cuda"
         self.step_delay = faults.step_delay()
         self._overtaken_check = 0.0  # monotonic time of the next `overtaken` look at the swarm
+        self.stranded = False  # the run ended without us and nobody could serve its end (`ended_without_us`)
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
     def set_state(self, state: str) -> None:
@@ -341,6 +342,14 @@ class Worker:
         self._overtaken_check = time.monotonic() + self.cfg.network.gossip_interval
         return self.swarm.swarm_step() >= target and self.heal()
 
+    def ended_without_us(self, target: int) -> bool:
+        """A peer announced finishing the run's last step while we are two or more short, and `overtaken` could not
+        get us its state. Training on alone would end the run on a second model: a peer cut off from the others' bulk
+        traffic (an MTU blackhole) trained 37 solo steps to the end after the others left, and reported finished."""
+        if target <= 0 or not self.ranked or self.outer_step > target - 2:
+            return False
+        return self.swarm.finished_step() >= target
+
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self.resume()
@@ -358,6 +367,15 @@ class Worker:
             if self.overtaken(target):
                 self.sync_ranks()
                 continue
+            if self.ended_without_us(target):
+                if self.swarm.swarm_step() >= target:  # a holder of the end still lingers: `overtaken` tries again
+                    stop.wait(self.cfg.network.gossip_interval)
+                    continue
+                log.error("the run finished at outer step %d without this peer, and no live peer could serve its final "
+                          "state: stopping at step %d rather than finishing on a model of our own", target,
+                          self.outer_step)  # fmt: skip
+                self.stranded = True
+                break
             self.train_one_inner_step()
             mark = self._fingerprint()
             done = self.algorithm.after_inner_step(self, self.inner_step - 1)

@@ -145,6 +145,9 @@ class FakeSwarm:
     def peer_steps(self) -> list[int]:
         return []
 
+    def finished_step(self) -> int:
+        return -1
+
     def fetch_state(self, min_step: int, expected: dict, timeout: float = 120.0, better: bool = False,
                     base: Any = None, parts: Any = None) -> StateSnapshot:  # fmt: skip
         if self.state is None:
