@@ -253,21 +253,18 @@ class Membership:
         entry.unreachable_until = now + self.peer_timeout
         entry.unreachable_why = why
 
-    def no_answer(self, peer_id: str, now: float | None = None) -> None:
+    def no_answer(self, peer_id: str, now: float | None = None, *, fresh: bool = False) -> None:
         """A dial of ours got no answer from a peer we still count live: evidence of a block (peerd/pairblocks.py)
-        if its heartbeat keeps coming through others; nothing else changes."""
+        if its heartbeat keeps coming through others; nothing else changes. `fresh`: the dial was a new TCP
+        connection (Reachability._route), which also confirms a suspect."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
-        if entry is not None and self._heard(peer_id, now):
-            self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat))
-
-    def check_failed(self, peer_id: str, now: float | None = None) -> None:
-        """A fresh TCP connection of ours to a peer we still count live got no answer (Reachability._route): it
-        confirms a suspect (peerd/pairblocks.py), and is evidence like any failed dial otherwise."""
-        now = time.monotonic() if now is None else now
-        entry = self.entries.get(peer_id)
-        if entry is not None and self._heard(peer_id, now):
+        if entry is None or not self._heard(peer_id, now):
+            return
+        if fresh:
             self.blocks.check_failed(peer_id, now, int(entry.info.heartbeat))
+        else:
+            self.blocks.dial_failed(peer_id, now, int(entry.info.heartbeat))
 
     def _heard(self, peer_id: str, now: float) -> bool:
         """Others still carry `peer_id`'s heartbeat to us: only then is a dial of ours without an answer evidence of

@@ -252,9 +252,7 @@ class Reachability:
         if now < self._route_next.get(peer.peer_id, 0.0) or m.silent_for(peer.peer_id) >= m.peer_timeout:
             return
         self._route_next[peer.peer_id] = now + ROUTE_CHECK_S
-        task = asyncio.ensure_future(self._route(peer))
-        self._route_tasks.add(task)
-        task.add_done_callback(self._route_tasks.discard)
+        self._spawn_route(peer)
 
     def confirm_route(self, peer: pb.PeerInfo) -> None:
         """A suspect of a broken route (peerd/pairblocks.py: a failed dial, then its heartbeat through others): check
@@ -263,10 +261,14 @@ class Reachability:
         if peer.peer_id in self._confirming:
             return
         self._confirming.add(peer.peer_id)
+        self._spawn_route(peer).add_done_callback(lambda _t, pid=peer.peer_id: self._confirming.discard(pid))
+
+    def _spawn_route(self, peer: pb.PeerInfo) -> asyncio.Task:
+        """Run `_route(peer)` in the background, holding the task until it ends."""
         task = asyncio.ensure_future(self._route(peer))
         self._route_tasks.add(task)
         task.add_done_callback(self._route_tasks.discard)
-        task.add_done_callback(lambda _t, pid=peer.peer_id: self._confirming.discard(pid))
+        return task
 
     async def _route(self, peer: pb.PeerInfo) -> None:
         m = self.d.membership
@@ -282,7 +284,7 @@ class Reachability:
             log.info(
                 "a new connection to %s got no answer in %.0f s: a broken route?", peer.peer_id[:8], ROUTE_CONNECT_S
             )
-            m.check_failed(peer.peer_id)
+            m.no_answer(peer.peer_id, fresh=True)
             return
         m.blocks.reached(peer.peer_id)  # a handshake: the route works, whatever a gRPC call met
         writer.close()

@@ -393,7 +393,7 @@ class RoundClient:
             and self.d.membership.restarted_since(peer_id, incarnations[peer_id])
         )
 
-    def _unreachable_at(self, peer_id: str, address: str, how: str = "refused") -> None:
+    def _unreachable_at(self, peer_id: str, address: str, how: str) -> None:
         """A round's dial of `peer_id` at `address` failed (`how`: "refused" or "no_answer"): mark it unreachable,
         unless it announced another address since the group formed (it restarted elsewhere: this incarnation is
         alive)."""

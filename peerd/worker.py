@@ -180,7 +180,7 @@ class Worker:
         self.autocast = self.device.type == "cuda"
         self.step_delay = faults.step_delay()
         self._overtaken_check = 0.0  # monotonic time of the next `overtaken` look at the swarm
-        self.stranded = False  # the run ended without us and nobody could serve its end (`ended_without_us`)
+        self.stranded = False  # the run ended without us and nobody could serve its end (`overtaken`)
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
     def set_state(self, state: str) -> None:
@@ -332,23 +332,27 @@ class Worker:
             stop.wait(interval)
         return False
 
-    def overtaken(self, target: int) -> bool:
-        """The run ended without us: a live peer holds the last outer step while we are two or more short of it, so
-        every round we could still join is over. Adopt its final state now, while the finished peers linger to serve
-        it, rather than train on alone and finish on a model of our own. (One step short is the normal tail of a
-        round; the boundary's own check covers it.) Looks at the swarm at most once per gossip interval."""
+    def overtaken(self, target: int) -> str:
+        """Did the run end without us? We are two or more outer steps short of the last one, so every round we could
+        still join is over. Looks at the swarm at most once per gossip interval; "" when it did not look, or nobody
+        holds or announced the end.
+        - "adopted": a live peer holds the last step and we took its final state, while the finished peers linger to
+          serve it, rather than train on alone and finish on a model of our own. (One step short is the normal tail
+          of a round; the boundary's own check covers it.)
+        - "waiting": a peer announced finishing, a live one still holds the end, and its download failed: try again,
+          without training meanwhile.
+        - "stranded": a peer announced finishing and no live peer holds the end. Training on alone would end the run
+          on a second model: a peer cut off from the others' bulk traffic (an MTU blackhole) trained 37 solo steps to
+          the end after the others left, and reported finished."""
         if target <= 0 or not self.ranked or self.outer_step > target - 2 or time.monotonic() < self._overtaken_check:
-            return False
+            return ""
         self._overtaken_check = time.monotonic() + self.cfg.network.gossip_interval
-        return self.swarm.swarm_step() >= target and self.heal()
-
-    def ended_without_us(self, target: int) -> bool:
-        """A peer announced finishing the run's last step while we are two or more short, and `overtaken` could not
-        get us its state. Training on alone would end the run on a second model: a peer cut off from the others' bulk
-        traffic (an MTU blackhole) trained 37 solo steps to the end after the others left, and reported finished."""
-        if target <= 0 or not self.ranked or self.outer_step > target - 2:
-            return False
-        return self.swarm.finished_step() >= target
+        held = self.swarm.swarm_step() >= target
+        if held and self.heal():
+            return "adopted"
+        if self.swarm.finished_step() < target:
+            return ""
+        return "waiting" if held else "stranded"
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -364,13 +368,14 @@ class Worker:
                     break
                 self.sync_ranks()  # a state adopted while lingering
                 continue
-            if self.overtaken(target):
+            end = self.overtaken(target)
+            if end == "adopted":
                 self.sync_ranks()
                 continue
-            if self.ended_without_us(target):
-                if self.swarm.swarm_step() >= target:  # a holder of the end still lingers: `overtaken` tries again
-                    stop.wait(self.cfg.network.gossip_interval)
-                    continue
+            if end == "waiting":  # a holder of the end still lingers: look again after a gossip interval
+                stop.wait(self.cfg.network.gossip_interval)
+                continue
+            if end == "stranded":
                 log.error("the run finished at outer step %d without this peer, and no live peer could serve its final "
                           "state: stopping at step %d rather than finishing on a model of our own", target,
                           self.outer_step)  # fmt: skip

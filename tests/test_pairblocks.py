@@ -132,7 +132,7 @@ def test_membership_keeps_a_blocked_peer_live_and_names_it() -> None:
     assert not m.cannot_dial(b, now=0.66)
     beat(3, 0.7)  # others carried a newer one: a suspect, whose route a fresh connection checks
     assert m.blocks.drain_checks() == [b] and not m.cannot_dial(b, now=0.7)
-    m.check_failed(b, now=0.75)  # no answer
+    m.no_answer(b, now=0.75, fresh=True)  # no answer
     beat(4, 0.78)  # live after that: live, but not to us
     assert m.is_alive(b, now=0.8) and m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="rendezvous: no connection", dial="no_answer")
@@ -170,7 +170,7 @@ def test_a_refused_dial_is_no_evidence_of_a_block_and_ends_one() -> None:
     assert m.is_alive(b, now=0.8) and not m.cannot_dial(b, now=0.8)
     m.mark_unreachable(b, now=1.0, why="gossip UNAVAILABLE", dial="no_answer")
     beat(5, 1.1)
-    m.check_failed(b, now=1.15)
+    m.no_answer(b, now=1.15, fresh=True)
     beat(6, 1.2)
     assert m.cannot_dial(b, now=1.3)
     m.mark_unreachable(b, now=1.4, why="gossip UNAVAILABLE", dial="refused")  # its host answers: the route works
@@ -221,7 +221,7 @@ def test_no_answer_from_a_peer_silent_to_us_too_is_no_evidence() -> None:
     assert m.is_alive(b, now=6.1) and not m.cannot_dial(b, now=6.1)
     m.no_answer(b, now=6.5)  # heard a moment ago: evidence now
     beat(11, 7.0)
-    m.check_failed(b, now=7.05)
+    m.no_answer(b, now=7.05, fresh=True)
     beat(12, 7.1)
     assert m.cannot_dial(b, now=7.1)
 
