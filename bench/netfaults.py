@@ -18,6 +18,10 @@ action (``act_gact``). So:
 * :meth:`FaultNet.block_between` drops every packet between two hosts, each at its own ingress, with the same
   redirect: both reach everyone else, but not each other. Reachability on the internet is not transitive (a broken
   route, a firewall rule, two NATs), and a partition into groups cannot make that shape.
+* :meth:`FaultNet.blackhole_between` is that block with a higher-priority filter in front of it which lets packets
+  under ``max_bytes`` through (a u32 match on the IP total length that only classifies, as ``act_gact`` is absent):
+  a path MTU blackhole, as a tunnel whose ICMP "fragmentation needed" is filtered makes. Handshakes and small calls
+  pass; full-size segments of bulk transfers are dropped.
 
 The faults are independent of each other and of the rate shaping (``set_rate``, ``set_down_rate``): a host can
 be shaped asymmetrically, behind "NAT" and in one group of a partition at once.
@@ -51,6 +55,7 @@ class FaultNet(SlowLinkNet):
         self._cut: set[int] = set()
         self._blocked: set[int] = set()
         self._pairs: set[tuple[int, int]] = set()  # (host, source host) whose packets the host drops
+        self._small: set[tuple[int, int]] = set()  # of those, pairs whose small packets pass (blackhole_between)
         self._bridge_of: list[str | None] = [_BRIDGE] * n_hosts  # None: on no bridge (alone)
         self._extra_bridges: list[str] = []
 
@@ -216,12 +221,34 @@ class FaultNet(SlowLinkNet):
             self._pairs.add((self._host(a), self._host(b)))
 
     def unblock_between(self, i: int, j: int) -> None:
-        """Let hosts ``i`` and ``j`` reach each other again."""
+        """Let hosts ``i`` and ``j`` reach each other again (and undo :meth:`blackhole_between`)."""
         self._require_up()
         for a, b in ((i, j), (j, i)):
             if (self._host(a), self._host(b)) in self._pairs:
                 self._pairs.discard((self._host(a), self._host(b)))
                 self._undrop_at(a, str(10 + self._host(b)))
+                if (self._host(a), self._host(b)) in self._small:
+                    self._small.discard((self._host(a), self._host(b)))
+                    _exec([self._tc, "-n", self.netns(a), "filter", "del", "dev", _HOST_IF, "parent", "ffff:", "prio",
+                           str(2 + self._host(b))], check=False)  # fmt: skip
+
+    def blackhole_between(self, i: int, j: int, max_bytes: int = 1024) -> None:
+        """Between hosts ``i`` and ``j``, both ways, pass IP packets shorter than ``max_bytes`` (a power of two) and
+        drop the rest: TCP handshakes and small calls work, full-size segments vanish (a path MTU blackhole)."""
+        if max_bytes & (max_bytes - 1) or not 64 <= max_bytes <= 32768:
+            raise ValueError(f"max_bytes must be a power of two in [64, 32768], not {max_bytes}")
+        if max(self._host(i), self._host(j)) > 7:
+            raise ValueError("blackhole_between takes hosts 0-7 (one filter priority per source host below the drop)")
+        self.block_between(i, j)
+        mask = f"0x{0xFFFF & ~(max_bytes - 1):04x}"
+        for a, b in ((i, j), (j, i)):
+            if (self._host(a), self._host(b)) in self._small:
+                continue
+            # Classify without an action: the packet leaves the filter chain before the drop and is let through.
+            _exec([self._tc, "-n", self.netns(a), "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol",
+                   "ip", "prio", str(2 + self._host(b)), "u32", "match", "ip", "src", f"{self.address(b)}/32",
+                   "match", "u16", "0x0000", mask, "at", "2", "flowid", "ffff:1"])  # fmt: skip
+            self._small.add((self._host(a), self._host(b)))
 
     def syns_dropped(self, i: int) -> int:
         """How many inbound SYNs host ``i``'s block has dropped (so a test can check it was exercised)."""

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peerd import tls
-from peerd.channels import CHANNEL_OPTIONS
 from peerd.envelope import sign
 from peerd.identity import verify
 from peerd.limits import TokenBucket, remote_ip
 from peerd.pairblocks import CHECK_S
+from peerd.pathcheck import fresh_channel, full_size_path
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -286,8 +286,21 @@ class Reachability:
             )
             m.no_answer(peer.peer_id, fresh=True)
             return
-        m.blocks.reached(peer.peer_id)  # a handshake: the route works, whatever a gRPC call met
         writer.close()
+        # A handshake: the route works for small packets, whatever a gRPC call met. Full-size ones may still vanish.
+        cert, pid = b"", ""
+        if self.d.tls is not None:
+            try:
+                cert, pid = bytes(peer.tls_cert), tls.verify_cert(bytes(peer.tls_cert), bytes(peer.public_key))
+            except (tls.TlsError, ValueError):
+                m.blocks.reached(peer.peer_id)
+                return
+        if await full_size_path(peer.address, self.d.run_id, ROUTE_CONNECT_S, cert, pid) is False:
+            log.info("full-size packets to %s get no answer while small ones do: a path MTU blackhole?",
+                     peer.peer_id[:8])  # fmt: skip
+            m.no_answer(peer.peer_id, fresh=True)
+            return
+        m.blocks.reached(peer.peer_id)
 
     def yield_to_outbound(self, match_timeout: float) -> float:
         """NoLoCo: seconds a reachable peer waits at its boundary for a proposal before proposing itself, while
@@ -350,19 +363,13 @@ class Reachability:
         return pb.ProbeResponse(result="reachable" if ok else "unreachable", address=address, observed_address=observed)
 
     async def _dial_back(self, address: str, public_key: bytes, cert: bytes, nonce: bytes) -> tuple[bool, str]:
-        # A connection of its own (a local subchannel pool): gRPC shares subchannels between channels with equal
-        # arguments, so a peer restarted on its old address would otherwise be dialled through the dead one's
-        # subchannel, still in reconnect backoff, fail at once with UNAVAILABLE and be judged outbound-only.
-        fresh = [("grpc.use_local_subchannel_pool", 1)]
+        pid = ""
         if self.d.tls is not None:
             try:
                 pid = tls.verify_cert(cert, public_key)
             except (tls.TlsError, ValueError) as exc:
                 return False, f"certificate refused: {exc}"
-            opts = CHANNEL_OPTIONS + tls.channel_options(pid) + fresh
-            channel = grpc.aio.secure_channel(address, tls.channel_credentials(cert), options=opts)
-        else:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + fresh)
+        channel = fresh_channel(address, cert if self.d.tls is not None else b"", pid)
         try:
             req = pb.ProbeEchoRequest(run_id=self.d.run_id, nonce=nonce)
             resp = await rpc.MembershipStub(channel).ProbeEcho(req, timeout=PROBE_DIAL_S)
