@@ -250,6 +250,20 @@ class _FromRound:
         return self._seen[key] == self.start if self.only else self._seen[key] >= self.start
 
 
+# Rendezvous answers for this outer step never arrive: the call reaches the leader, which counts us in its group, and
+# its answer vanishes on the way back, as a path MTU blackhole drops a full-size group list (tests/test_swarm_diloco).
+RENDEZVOUS_LOST_ENV = "PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP"
+RENDEZVOUS_LOST_AT = int(_env(RENDEZVOUS_LOST_ENV).strip() or -1)
+
+
+async def rendezvous_answer(step: int, call: Awaitable[Any]) -> Any:
+    """`call`'s answer, unless the PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP injector loses it: then wait for ever."""
+    answer = await call
+    if step == RENDEZVOUS_LOST_AT:
+        await asyncio.Event().wait()
+    return answer
+
+
 # A member whose Reduce streams to other owners open and then carry nothing until the round's deadline: alive in
 # gossip, in the group, but its contributions never come (a stuck connection, a starved process).
 REDUCE_SILENT_ENV = "PEERD_FAULT_REDUCE_SILENT_FROM_ROUND"

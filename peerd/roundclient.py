@@ -240,7 +240,8 @@ class RoundClient:
             self.d.count_sent("rendezvous", 0, req.ByteSize())
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
-                resp = await self._unless_silent(call, [target.peer_id], leader=True)
+                answer = faults.rendezvous_answer(step, call)
+                resp = await self._unless_silent(answer, [target.peer_id], leader=True, step=step)
             except LeaderUndialable:
                 # A route broken under an open connection: the call hung on it until now (a new dial meets the
                 # 5 s check above).
@@ -329,6 +330,7 @@ class RoundClient:
         on_silent: Callable[[str], None] | None = None,
         incarnations: dict[str, int] | None = None,
         leader: bool = False,
+        step: int = -1,
     ) -> Any:
         """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
         twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
@@ -336,7 +338,10 @@ class RoundClient:
         Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
         `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent).
         With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too.
-        `leader`: the work is a rendezvous with `peers[0]`, given up (LeaderUndialable) once we cannot dial it."""
+        `leader`: the work is a rendezvous with `peers[0]` for `step`, given up (LeaderUndialable) once we cannot dial
+        it, and (Behind) once the swarm is two steps past `step`: every round we could join there is over. A leader
+        whose answers vanish on the way (a path MTU blackhole) held a peer 18 s while the others trained on; its
+        silence counts as a dial without an answer (peerd/pairblocks.py)."""
         task = asyncio.ensure_future(work)
         limit = 2 * self.d.cfg.network.peer_timeout
         try:
@@ -346,6 +351,11 @@ class RoundClient:
                     return task.result()
                 if leader and self.d.membership.cannot_dial(peers[0]):
                     raise LeaderUndialable(peers[0])
+                if leader and step >= 0 and self._plausible_step() >= step + 2:
+                    log.warning("round leader %s has not answered while the swarm moved on to step %d; catching up",
+                                peers[0][:8], self._plausible_step())  # fmt: skip
+                    self.d.membership.no_answer(peers[0])
+                    raise Behind(self._plausible_step())
                 silent = next(
                     (p for p in peers if self.d.membership.silent_for(p) > limit or self._restarted(p, incarnations)),
                     None,

@@ -6,6 +6,7 @@ bit-identical, and the round says whom it included and whom it expected."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,41 @@ def test_a_leader_killed_mid_rendezvous_leaves_one_round_without_it(tmp_path: Pa
         assert victim_id in expected and victim_id not in included, partial[0]  # the log shows 8 hex digits
         died_in = partial[0]["step"] if died_in is None else died_in
         assert partial[0]["step"] == died_in, s["rounds"]  # every survivor: the same round
+
+
+def test_a_member_whose_rendezvous_answer_never_comes_catches_up_once_the_swarm_moved_on(tmp_path: Path) -> None:
+    """The leader counts a member in, and its answer never reaches it (PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP: as a path
+    MTU blackhole drops a full-size group list). The leader is live and dialable, so the member waited out the call's
+    deadline (3x the rendezvous timeout + 10 s: 19 s here), and across a real blackhole then trained alone on. It now
+    gives up once the live peers are two steps past the round it waits for, downloads their state and rejoins."""
+    n, steps, lost_at = 3, 20, 3
+    ids_in_order(tmp_path, n)  # the injector's peer (the last) has the highest id: it never leads
+    cfg = tiny_config(tmp_path, run__outer_steps=steps, network__peer_timeout=2.0, network__rendezvous_timeout=3.0,
+                      network__round_timeout=10.0)  # fmt: skip
+    env = {"PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP": str(lost_at), "PEERD_FAULT_STEP_DELAY_S": "0.04"}
+    swarm = Swarm(tmp_path, n, cfg)
+    try:
+        swarm.peers.append(swarm.spawn(0, None, wait_peers=n, env=env | {"PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP": ""}))
+        for i in range(1, n):
+            mine = env if i == n - 1 else env | {"PEERD_FAULT_RENDEZVOUS_LOST_AT_STEP": ""}
+            swarm.peers.append(swarm.spawn(i, swarm.boot_address(0), wait_peers=n, env=mine))
+        swarm.wait_exit(240)
+    finally:
+        swarm.stop()
+    member = swarm.peers[-1]
+    log = member.log()
+    assert "has not answered while the swarm moved on" in log, member.log_tail()
+    # Before: it waited out the call (25 s), found the others gone, and stopped short of the run's end (exit 1).
+    moved_on = min(_when_logged(p.log(), f"outer step {lost_at + 2} |") for p in swarm.peers[:-1])
+    waited = (_when_logged(log, "has not answered while the swarm moved on") - moved_on).total_seconds()
+    assert waited < 5.0, waited
+    summaries = [p.summary() for p in swarm.peers]
+    assert all(s["finished"] and s["outer_step"] == steps for s in summaries), summaries
+    assert summaries[-1]["solo_steps"] == 0, summaries[-1]
+    assert_identical_globals([p.data_dir for p in swarm.peers])
+
+
+def _when_logged(log: str, text: str) -> datetime.datetime:
+    """The timestamp of the first log line holding `text`."""
+    line = next(line for line in log.splitlines() if text in line)
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
