@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_nontransitive import _check_pair_said_so
-from tests.test_partition import PACE, _check_honest, _config, _wait_step, needs_netns
-from tests.test_swarm_diloco import assert_identical_globals
+from tests.test_nontransitive import check_one_model_all_in
+from tests.test_partition import PACE, _config, _wait_step, needs_netns
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -50,12 +49,4 @@ def test_an_mtu_blackhole_between_two_peers_is_found_and_routed_around(
             took = time.monotonic() - t0
         dropped = net.dropped_between(1, 2) + net.dropped_between(2, 1)
     assert dropped > 0  # full-size packets between 1 and 2 were sent, and dropped
-    summaries = [p.summary() for p in swarm.peers]
-    _check_honest(summaries)
-    assert all(s["finished"] and s["outer_step"] == STEPS for s in summaries), summaries
-    assert_identical_globals([p.data_dir for p in swarm.peers])
-    _check_pair_said_so(swarm, summaries)
-    ids = {s["peer_id"] for s in summaries}
-    for s in summaries:
-        full = [r for r in s["rounds"] if set(r["included"]) == ids]
-        assert s["solo_steps"] == 0 and len(full) >= STEPS - EARLY, (s["peer_id"][:8], len(full), took)
+    check_one_model_all_in(swarm, STEPS - EARLY, took)
