@@ -250,7 +250,7 @@ def _collect(spec: RunSpec, workdir: Path, seconds: float, eval_batches: int) ->
 @torch.no_grad()
 def evaluate(cfg: RunConfig, flat_params: Sequence[torch.Tensor], n_batches: int) -> list[float]:
     """Mean cross-entropy of each flat parameter vector on the same held-out batches."""
-    from peerd.worker import build_run_model, model_seq_len
+    from peerd.runmodel import build_run_model, model_seq_len
     from trainer.data import TokenData
     from trainer.flat import ParamLayout
 
@@ -452,7 +452,7 @@ def _phi_encoding(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """How much quantization noise each way of sending the slow weights adds to the gamma term, which needs
     phi_j - phi_i: measured on the NoLoCo run's final slow weights, with phi_ref the seeded initial weights."""
     from peerd.codecs import make_codec
-    from peerd.worker import build_run_model
+    from peerd.runmodel import build_run_model
     from trainer.flat import ParamLayout
 
     states = [global_params(d) for d in sorted(run_dir.glob("peer*"))]

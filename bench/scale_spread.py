@@ -44,7 +44,7 @@ def spread(dirs: list[Path], init: torch.Tensor) -> dict[str, Any]:
 def initial_weights(config: Path) -> torch.Tensor:
     """The run's initial weights, flat: every peer builds the same ones from the config."""
     from peerd.config import RunConfig
-    from peerd.worker import build_run_model
+    from peerd.runmodel import build_run_model
 
     model = build_run_model(RunConfig.load(config))
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])

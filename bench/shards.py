@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from peerd.config import RunConfig
-from peerd.worker import build_run_model, model_seq_len
+from peerd.runmodel import build_run_model, model_seq_len
 from trainer.data import TokenData
 
 NUM_SHARDS = 16

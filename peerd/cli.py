@@ -405,9 +405,9 @@ def _start_rank0(args: argparse.Namespace, ranks: object) -> int:
         worker.write_summary()
         if worker.stranded:
             raise UserError(
-                f"the run finished without this peer and no peer could serve its final state; this peer stopped at "
-                f"outer step {worker.outer_step}. Restart it with --bootstrap of a peer that still holds the run's "
-                "end, or start a new run",
+                f"the run finished at outer step {cfg.run.outer_steps} without this peer, and no live peer could "
+                f"serve its final state: it stopped at outer step {worker.outer_step} rather than finish on a model "
+                "of its own. Restart it with --bootstrap of a peer that still holds the run's end, or start a new run",
                 code=1,
             )
     except Interrupted as exc:

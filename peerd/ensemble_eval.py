@@ -34,7 +34,7 @@ class Expert:
 
 def load_expert(spec: str) -> Expert:
     """A checkpoint (or a data dir holding checkpoint.pt) rebuilt into its model; one clear line if it cannot be."""
-    from peerd.worker import build_run_model, model_seq_len
+    from peerd.runmodel import build_run_model, model_seq_len
 
     path = Path(spec)
     ckpt = path / "checkpoint.pt" if path.is_dir() else path

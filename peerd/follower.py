@@ -17,7 +17,7 @@ import torch
 
 from peerd.config import RunConfig
 from peerd.identity import Identity
-from peerd.worker import build_run_data, build_run_model, model_seq_len
+from peerd.runmodel import build_run_data, build_run_model, model_seq_len
 from trainer.inner import make_inner_optimizer
 from trainer.ranks import STOP, SYNC, TRAIN, LocalRanks, params_digest, rank_seed
 

@@ -25,8 +25,9 @@ from peerd.fragment_sync import (
     merge_fragment,
 )
 from peerd.identity import Identity
+from peerd.runmodel import build_run_model
 from peerd.streaming import STATS_FILE, StreamingDiLoCo
-from peerd.worker import Worker, build_run_model
+from peerd.worker import Worker
 from tests.swarm import Swarm, ids_in_order, tiny_config
 from tests.test_swarm_diloco import assert_identical_globals
 from trainer.flat import ParamLayout
