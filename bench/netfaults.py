@@ -18,8 +18,8 @@ action (``act_gact``). So:
 * :meth:`FaultNet.block_between` drops every packet between two hosts, each at its own ingress, with the same
   redirect: both reach everyone else, but not each other. Reachability on the internet is not transitive (a broken
   route, a firewall rule, two NATs), and a partition into groups cannot make that shape.
-* :meth:`FaultNet.blackhole_between` is that block with a higher-priority filter in front of it which lets packets
-  under ``max_bytes`` through (a u32 match on the IP total length that only classifies, as ``act_gact`` is absent):
+* :meth:`FaultNet.blackhole_between` is that block with higher-priority filters in front of it which let packets
+  under ``max_bytes`` through (u32 matches on the IP total length that only classify, as ``act_gact`` is absent):
   a path MTU blackhole, as a tunnel whose ICMP "fragmentation needed" is filtered makes. Handshakes and small calls
   pass; full-size segments of bulk transfers are dropped.
 
@@ -232,22 +232,23 @@ class FaultNet(SlowLinkNet):
                     _exec([self._tc, "-n", self.netns(a), "filter", "del", "dev", _HOST_IF, "parent", "ffff:", "prio",
                            str(2 + self._host(b))], check=False)  # fmt: skip
 
-    def blackhole_between(self, i: int, j: int, max_bytes: int = 1024) -> None:
-        """Between hosts ``i`` and ``j``, both ways, pass IP packets shorter than ``max_bytes`` (a power of two) and
-        drop the rest: TCP handshakes and small calls work, full-size segments vanish (a path MTU blackhole)."""
-        if max_bytes & (max_bytes - 1) or not 64 <= max_bytes <= 32768:
-            raise ValueError(f"max_bytes must be a power of two in [64, 32768], not {max_bytes}")
+    def blackhole_between(self, i: int, j: int, max_bytes: int = 1280) -> None:
+        """Between hosts ``i`` and ``j``, both ways, pass IP packets shorter than ``max_bytes`` (a multiple of 256) and
+        drop the rest: TCP and TLS handshakes and small calls work, full-size segments vanish (a path MTU
+        blackhole; 1280 is the IPv6 minimum MTU, as tunnels that lose "fragmentation needed" often are)."""
+        if max_bytes % 256 or not 256 <= max_bytes <= 32768:
+            raise ValueError(f"max_bytes must be a multiple of 256 in [256, 32768], not {max_bytes}")
         if max(self._host(i), self._host(j)) > 7:
             raise ValueError("blackhole_between takes hosts 0-7 (one filter priority per source host below the drop)")
         self.block_between(i, j)
-        mask = f"0x{0xFFFF & ~(max_bytes - 1):04x}"
         for a, b in ((i, j), (j, i)):
             if (self._host(a), self._host(b)) in self._small:
                 continue
             # Classify without an action: the packet leaves the filter chain before the drop and is let through.
-            _exec([self._tc, "-n", self.netns(a), "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol",
-                   "ip", "prio", str(2 + self._host(b)), "u32", "match", "ip", "src", f"{self.address(b)}/32",
-                   "match", "u16", "0x0000", mask, "at", "2", "flowid", "ffff:1"])  # fmt: skip
+            for value, mask in _aligned_blocks(max_bytes):  # u32 matches masked bits, so cover [0, max) in blocks
+                _exec([self._tc, "-n", self.netns(a), "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol",
+                       "ip", "prio", str(2 + self._host(b)), "u32", "match", "ip", "src", f"{self.address(b)}/32",
+                       "match", "u16", f"0x{value:04x}", f"0x{mask:04x}", "at", "2", "flowid", "ffff:1"])  # fmt: skip
             self._small.add((self._host(a), self._host(b)))
 
     def syns_dropped(self, i: int) -> int:
@@ -269,3 +270,15 @@ class FaultNet(SlowLinkNet):
             return sum(int(a["stats"]["packets"]) for a in actions if a.get("kind") == "mirred")
         except (ValueError, LookupError, TypeError, AttributeError) as exc:
             raise SlowLinkError(f"unexpected `tc -j filter` output on host {i}: {exc}") from exc
+
+
+def _aligned_blocks(limit: int) -> list[tuple[int, int]]:
+    """[0, limit) as (value, mask) pairs of the IP total length, each a power-of-two block aligned to its size."""
+    blocks, start = [], 0
+    while start < limit:
+        size = 1 << 15
+        while start % size or start + size > limit:
+            size >>= 1
+        blocks.append((start, 0xFFFF & ~(size - 1)))
+        start += size
+    return blocks

@@ -6,30 +6,31 @@ peer looks live and dialable, yet every shard, state download and large rendezvo
 connection until its deadline; a fresh TCP handshake (Reachability's route check) passes, so the pair was never
 blocked (peerd/pairblocks.py) and 3-16 rounds of 40 had all four peers.
 
-The check sends two echo calls at once, each on a connection of its own: one small, one padded with PAD_BYTES. Small
-answered and padded not is a blackhole. Neither answered is no verdict: a process too starved to answer gRPC (64
-peers on 2 cores) must not be blocked, which is why the route check trusts a handshake.
+The check opens two connections at once and sends on each bytes that are not HTTP/2, which the peer's gRPC transport
+reads and refuses by closing the connection: a few on one, PAD_BYTES on the other. The small one closed and the big
+one not is a blackhole. Neither closed is no verdict: a host too busy to answer (64 peers on 2 cores) must not be
+blocked, which is why the route check trusts a handshake. With TLS (the default) the bytes go after a TLS handshake
+of our own, whose packets are small: gRPC's own ClientHello (post-quantum key shares) spans full-size packets, so
+across a blackhole gRPC never connects at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import ssl
 import time
 
 import grpc
 
 from peerd import tls
 from peerd.channels import CHANNEL_OPTIONS
-from peerd.v1 import peerd_pb2 as pb
-from peerd.v1 import peerd_pb2_grpc as rpc
 
 # Several full-size segments, yet within TCP's initial window (10 segments), so a fresh connection sends them at once
-# and the padded echo costs the small one's round trip on a healthy path.
+# and the big check costs the small one's round trip on a healthy path.
 PAD_BYTES = 8192
-MAX_PAD_BYTES = 16384  # ProbeEcho refuses more: the call is unauthenticated
-SLACK_S = 2.0  # the padded echo may answer this much later than the small one (plus 3x its time) on a healthy path
+SLACK_S = 2.0  # the big check may end this much later than the small one (plus 3x its time) on a healthy path
+NOT_HTTP2 = b"peerd path check\r\n"  # not the HTTP/2 preface: the server closes the connection once it reads it
 
 
 def fresh_channel(address: str, cert: bytes = b"", peer_id: str = "") -> grpc.aio.Channel:
@@ -44,31 +45,43 @@ def fresh_channel(address: str, cert: bytes = b"", peer_id: str = "") -> grpc.ai
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + fresh)
 
 
-async def _echo(address: str, run_id: bytes, cert: bytes, peer_id: str, pad: int, timeout: float) -> float | None:
-    """Seconds until the peer's process answered an echo padded with `pad` bytes (any status it sends counts: an
-    unknown nonce is refused); None: no answer in `timeout`."""
-    channel = fresh_channel(address, cert, peer_id)
+async def _read_back(host: str, port: int, size: int, secure: bool, timeout: float) -> float | None:
+    """Seconds until the peer closed a fresh connection on which we sent `size` bytes that are not HTTP/2 (gRPC's
+    transport, not the peer's Python, reads and refuses them, so a starved process answers as fast as an idle one);
+    None: not within `timeout`. With TLS the bytes go after a handshake, whose packets are all small; the peer's
+    certificate is not checked, as nothing we send is secret."""
+    ctx = None
+    if secure:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        ctx.set_alpn_protocols(["h2"])
     t0 = time.monotonic()
+    opened: list[asyncio.StreamWriter] = []
+
+    async def send_and_wait_for_close() -> None:
+        reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
+        opened.append(writer)
+        writer.write(NOT_HTTP2 + bytes(max(0, size - len(NOT_HTTP2))))
+        while await reader.read(65536):
+            pass
+
     try:
-        req = pb.ProbeEchoRequest(run_id=run_id, nonce=os.urandom(16), padding=os.urandom(pad))
-        await rpc.MembershipStub(channel).ProbeEcho(req, timeout=timeout)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-            return None
+        await asyncio.wait_for(send_and_wait_for_close(), timeout)
+    except (OSError, asyncio.TimeoutError, ssl.SSLError):
+        return None
     finally:
-        await channel.close()
+        for writer in opened:
+            writer.close()
     return time.monotonic() - t0
 
 
-async def full_size_path(
-    address: str, run_id: bytes, timeout: float, cert: bytes = b"", peer_id: str = ""
-) -> bool | None:
-    """Do full-size packets reach the peer at `address`? True: both echoes answered. False: the small one answered
-    within `timeout` and the padded one not within SLACK_S + 3x that (a blackhole). None: the small one got no answer
-    (the process is starved, or the route is gone), which says nothing about packet sizes."""
-    big = asyncio.ensure_future(_echo(address, run_id, cert, peer_id, PAD_BYTES, 4 * timeout + SLACK_S))
+async def full_size_path(host: str, port: int, timeout: float, secure: bool = False) -> bool | None:
+    """Do full-size packets reach the peer at `host`:`port`? True: both checks ended. False: the small one ended within
+    `timeout` and the big one (PAD_BYTES) not within SLACK_S + 3x that (a blackhole). None: the small one did not end
+    (the route is gone, or the host too busy), which says nothing about packet sizes."""
+    big = asyncio.ensure_future(_read_back(host, port, PAD_BYTES, secure, 4 * timeout + SLACK_S))
     try:
-        small = await _echo(address, run_id, cert, peer_id, 0, timeout)
+        small = await _read_back(host, port, 0, secure, timeout)
         if small is None:
             return None
         done, _ = await asyncio.wait({big}, timeout=SLACK_S + 3 * small)

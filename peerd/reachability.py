@@ -288,14 +288,7 @@ class Reachability:
             return
         writer.close()
         # A handshake: the route works for small packets, whatever a gRPC call met. Full-size ones may still vanish.
-        cert, pid = b"", ""
-        if self.d.tls is not None:
-            try:
-                cert, pid = bytes(peer.tls_cert), tls.verify_cert(bytes(peer.tls_cert), bytes(peer.public_key))
-            except (tls.TlsError, ValueError):
-                m.blocks.reached(peer.peer_id)
-                return
-        if await full_size_path(peer.address, self.d.run_id, ROUTE_CONNECT_S, cert, pid) is False:
+        if await full_size_path(host, port, ROUTE_CONNECT_S, secure=self.d.tls is not None) is False:
             log.info("full-size packets to %s get no answer while small ones do: a path MTU blackhole?",
                      peer.peer_id[:8])  # fmt: skip
             m.no_answer(peer.peer_id, fresh=True)

@@ -27,7 +27,6 @@ from peerd.config import spec_differences
 from peerd.envelope import AuthError
 from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, paced
-from peerd.pathcheck import MAX_PAD_BYTES
 from peerd.roundtypes import REASON_KEY, WRONG_PEER
 from peerd.statesync import StateSnapshot, check_ranges, state_messages
 from peerd.streams import StreamError, prepend, verify_header
@@ -179,8 +178,6 @@ class MembershipService(rpc.MembershipServicer):
 
     async def ProbeEcho(self, request: pb.ProbeEchoRequest, context: grpc.aio.ServicerContext) -> pb.ProbeEchoResponse:
         await faults.echo_late()
-        if len(request.padding) > MAX_PAD_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ProbeEcho: padding over {MAX_PAD_BYTES} bytes")
         signature = self.reach.echo(request)
         if signature is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "ProbeEcho: no probe of ours in flight uses this nonce")

@@ -180,14 +180,12 @@ class ProbeResponse(_message.Message):
     def __init__(self, result: _Optional[str] = ..., address: _Optional[str] = ..., observed_address: _Optional[str] = ...) -> None: ...
 
 class ProbeEchoRequest(_message.Message):
-    __slots__ = ("run_id", "nonce", "padding")
+    __slots__ = ("run_id", "nonce")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
-    PADDING_FIELD_NUMBER: _ClassVar[int]
     run_id: bytes
     nonce: bytes
-    padding: bytes
-    def __init__(self, run_id: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[bytes] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class ProbeEchoResponse(_message.Message):
     __slots__ = ("signature",)
