@@ -77,20 +77,23 @@ def _check_pair_said_so(swarm: Any, summaries: list[dict[str, Any]]) -> None:
 
 
 @needs_netns
+@pytest.mark.parametrize("fault", ["route", "mtu"])
 def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     """NoLoCo needs no all-reduce, but a proposal to a peer we cannot dial waits out its deadline, and with two such
     peers in four, pairs of the other two leave both alone. Nobody proposes to a peer it cannot dial, and peers that
     cannot dial someone are likelier partners (matchmaking.CONSTRAINED_WEIGHT). Solo steps of the pair over 40 steps:
-    16 and 8, 14 and 5 before; 1-6 each after (0-2 with no block; 9 once while route checks waited 5 s)."""
+    16 and 8, 14 and 5 before; 1-6 each after (0-2 with no block; 9 once while route checks waited 5 s). `fault`: a
+    broken route, or a path MTU blackhole (tests/test_mtu_blackhole.py), whose exchanges hang on open connections: the
+    pair had 18 and 14 solo steps under it before pathcheck.py, 0 and 4 after."""
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
 
     monkeypatch.setenv(*PACE)
     cfg = _config(tmp_path, "noloco", steps=STEPS, linger=8.0)
     with FaultNet(4, 1000.0) as net:
-        net.block_between(1, 2)
+        (net.block_between if fault == "route" else net.blackhole_between)(1, 2)
         with NetSwarm(tmp_path, 4, cfg, net=net) as swarm:
             swarm.wait_exit(240)
         assert net.dropped_between(1, 2) + net.dropped_between(2, 1) > 0
