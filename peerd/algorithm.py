@@ -68,7 +68,7 @@ class Trainer(Protocol):
     data_dir: Path
     swarm: Swarm
     tokens_per_step: int  # tokens one inner step trains on (the weight of a contribution is counted in these)
-    heal_boundary: float  # see heal()
+    heal_boundary: float | None  # see heal()
 
     @property
     def outer_step(self) -> int: ...
@@ -81,7 +81,7 @@ class Trainer(Protocol):
 
     def heal(self) -> bool:
         """Adopt a live peer's state if it outranks ours (the split-brain rule); True when ours changed. Sets
-        `heal_boundary`: when gossip first showed the adopted state's step (monotonic; 0: unknown)."""
+        `heal_boundary`: when gossip first showed the adopted state's step (monotonic; None: unknown)."""
 
     def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:
         """Download the canonical state (at least `min_step`) and continue from it; True when adopted. `wait_s`:

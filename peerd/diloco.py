@@ -208,7 +208,7 @@ class DiLoCo(OuterAlgorithm):
             if not trainer.resync(-1, wait_s=2 * trainer.cfg.network.gossip_interval):
                 return None
             self._keep_or_drop(trainer, pending)
-            self._align_window(swarm_boundary if exc.since_s > 0 else 0.0, "the round we missed formed")
+            self._align_window(swarm_boundary if exc.since_s > 0 else None, "the round we missed formed")
             return StepDone(trainer.outer_step)
         except (RoundFailed, concurrent.futures.CancelledError) as exc:
             # Keep our local progress and try again at the next outer step; never crash the peer.
@@ -253,14 +253,14 @@ class DiLoCo(OuterAlgorithm):
             self.window_start = time.monotonic()
         return StepDone(step + 1, result)
 
-    def _align_window(self, boundary: float, what: str) -> None:
+    def _align_window(self, boundary: float | None, what: str) -> None:
         """Windowed runs, after adopting the swarm's newer state: start the next window at `boundary` (monotonic;
-        0: unknown), where the swarm's started: when the round we missed formed at its leader (a "behind" answer),
+        None: unknown), where the swarm's started: when the round we missed formed at its leader (a "behind" answer),
         or when gossip first showed the state (a heal at our boundary). From "now" a late peer stayed as late as it
         was, plus the download, and missed round after round: in CI a peer late once at the start found the swarm
         ahead at each of its next 15 boundaries and carried or dropped every window's work, never in a round. Never
         further back than one window: then the next round is due at once."""
-        if self.window_s <= 0 or boundary <= 0:
+        if self.window_s <= 0 or boundary is None:  # monotonic time starts at boot: a real boundary can be < 0
             return
         now = time.monotonic()
         self.window_start = max(boundary, now - self.window_s)

@@ -119,7 +119,8 @@ class Worker:
             total_steps=cfg.inner.total_steps or None,
         )
         self.rewarms = 0  # times a downloaded state made us re-warm the inner optimizer
-        self.heal_boundary = 0.0  # when gossip first showed the state the last heal adopted (Trainer.heal)
+        # when gossip first showed the state the last heal adopted (Trainer.heal); None: unknown
+        self.heal_boundary: float | None = None
         # The moments came from our checkpoint and have not trained on any state since (see adopt)
         self.moments_from_checkpoint = False
         self.inner_step = 0
@@ -225,7 +226,7 @@ class Worker:
             self.outer_step,
             self.algorithm.work,
         )
-        self.heal_boundary = time.monotonic() - best.seen_s if best.seen_s > 0 else 0.0
+        self.heal_boundary = time.monotonic() - best.seen_s if best.seen_s > 0 else None
         if self.resync(-1, why="fork" if forked else "behind"):
             self.publish()
             return True

@@ -231,7 +231,7 @@ class FakeTrainer:
         self.states: list[str] = []
         self.algorithm: Any = None
         self.tokens_per_step = 100
-        self.heal_boundary = 0.0
+        self.heal_boundary: float | None = None
 
     def inner_step(self, delta: float = 0.01) -> Any:
         """One "inner step" (every parameter += delta), then the algorithm's hook; applies what it returns."""
@@ -254,7 +254,7 @@ class FakeTrainer:
         best = self.swarm.canonical()
         if best is None:
             return False
-        self.heal_boundary = time.monotonic() - best.seen_s if best.seen_s > 0 else 0.0
+        self.heal_boundary = time.monotonic() - best.seen_s if best.seen_s > 0 else None
         return self.resync(-1)
 
     def resync(self, min_step: int, why: str = "behind", wait_s: float = 0.0) -> bool:

@@ -240,7 +240,9 @@ def test_diloco_late_peer_starts_its_next_window_where_the_swarms_started(tmp_pa
     done = [trainer.inner_step() for _ in range(2 if overlap else 1)][-1]
     assert done == StepDone(1) and alg.carried_steps == (2 if overlap else 1)
     assert alg.window_start == pytest.approx(time.monotonic() - 30.0, abs=0.5)  # the swarm's boundary, not now
-    swarm.behind_since_s = 500.0  # more than a window ago: the next round is due at once
+    # More than a window ago, and before this machine booted: monotonic time counts from boot, so the boundary is below
+    # 0, which read as "unknown" (no alignment) on a daemon started within minutes of boot (CI's fresh machine).
+    swarm.behind_since_s = time.monotonic() + 500.0  # the next round is due at once
     swarm.state = StateSnapshot(2, served, work=30)
     trainer.layout.unflatten_into(served["params"], trainer.model)
     alg.window_start = time.monotonic() - 100.5
