@@ -29,6 +29,7 @@ be shaped asymmetrically, behind "NAT" and in one group of a partition at once.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 from collections.abc import Sequence
@@ -250,6 +251,24 @@ class FaultNet(SlowLinkNet):
                        "ip", "prio", str(2 + self._host(b)), "u32", "match", "ip", "src", f"{self.address(b)}/32",
                        "match", "u16", f"0x{value:04x}", f"0x{mask:04x}", "at", "2", "flowid", "ffff:1"])  # fmt: skip
             self._small.add((self._host(a), self._host(b)))
+
+    # ------------------------------------------------------------ renumber
+    def renumber(self, i: int, address: str) -> None:
+        """Give host ``i`` a new address in the net's subnet and drop its old one, as an ISP's new DHCP lease or a
+        laptop moving networks does: open connections from the old address die, and the old address answers nobody.
+        Call it before any block that names host ``i`` (the filters match addresses)."""
+        self._require_up()
+        new = ipaddress.IPv4Address(address)
+        if new not in self._network or new in (self._network.network_address, self._network.broadcast_address):
+            raise ValueError(f"{address} is not a host address in {self._network}")
+        if str(new) in self._addresses:
+            raise ValueError(f"{address} is already a host's address")
+        if any(self._host(i) in pair for pair in self._pairs) or self._host(i) in self._blocked:
+            raise ValueError(f"host {i} has blocks naming its address: renumber it before blocking")
+        ns = self.netns(i)
+        _exec([self._ip, "-n", ns, "addr", "flush", "dev", _HOST_IF])
+        _exec([self._ip, "-n", ns, "addr", "add", f"{new}/{self._network.prefixlen}", "dev", _HOST_IF])
+        self._addresses[self._host(i)] = str(new)
 
     def syns_dropped(self, i: int) -> int:
         """How many inbound SYNs host ``i``'s block has dropped (so a test can check it was exercised)."""

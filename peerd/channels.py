@@ -77,6 +77,8 @@ def dial_failure(exc: BaseException | None) -> str:
     return "refused" if exc is not None and turned_away(exc) else "no_answer"
 
 
+RETIRE_S = 120.0  # Channels.renew: how long replaced channels stay open for the calls still on them
+
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -107,6 +109,8 @@ class Channels:
         self.resolve = resolve
         self._first_contact: dict[str, bytes] = {}  # bootstrap address -> certificate read there (TOFU)
         self._warned: set[tuple[str, str]] = set()
+        self.renewed = 0  # times renew() replaced every channel (our source address went away)
+        self._retiring: set[asyncio.Task] = set()
 
     def pin(self, address: str, cert_der: bytes) -> None:
         """Trust `cert_der` at `address` when no gossiped peer claims the address (bootstrap, first contact)."""
@@ -139,12 +143,12 @@ class Channels:
         key = (address, cert)
         ch = self._channels.get(key)
         if ch is None:
+            # After a renewal a channel must not share gRPC's global subchannel (its connection) with the old one.
+            base = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1)] * (self.renewed > 0)
             if self.own is None:
-                ch = grpc.aio.insecure_channel(
-                    address, options=CHANNEL_OPTIONS, interceptors=faults.uplink_client_interceptors()
-                )
+                ch = grpc.aio.insecure_channel(address, options=base, interceptors=faults.uplink_client_interceptors())
             elif cert:
-                opts = CHANNEL_OPTIONS + tls.channel_options(pid)
+                opts = base + tls.channel_options(pid)
                 ch = grpc.aio.secure_channel(
                     address,
                     tls.channel_credentials(cert),
@@ -190,11 +194,32 @@ class Channels:
     def state(self, address: str, peer: pb.PeerInfo | None = None) -> rpc.StateStub:
         return rpc.StateStub(self.channel(address, peer))
 
+    def renew(self) -> int:
+        """Our source address went away (peerd/netchange.py): every connection we hold is dead, though none has
+        failed yet. New calls get new channels at once; the old ones are closed RETIRE_S later, when the calls still
+        hanging on them have met their deadlines (closing a channel cancels its calls, which grpc.aio raises in the
+        caller as asyncio.CancelledError). Returns how many channels were replaced."""
+        old = list(self._channels.values())
+        self._channels.clear()
+        self.renewed += 1
+        if old:
+            task = asyncio.ensure_future(self._retire(old))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return len(old)
+
+    async def _retire(self, channels: list[grpc.aio.Channel]) -> None:
+        await asyncio.sleep(RETIRE_S)
+        for ch in channels:
+            await ch.close()
+
     async def drop(self, address: str) -> None:
         for key in [k for k in self._channels if k[0] == address]:
             await self._channels.pop(key).close()
 
     async def close(self) -> None:
+        for task in list(self._retiring):
+            task.cancel()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

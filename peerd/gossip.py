@@ -162,7 +162,13 @@ class Gossip:
     async def gossip_loop(self, stopping: asyncio.Event) -> None:
         interval = self.d.cfg.network.gossip_interval
         try:
-            await self._gossip_ticks(stopping, interval)
+            while not stopping.is_set():
+                try:
+                    await self._gossip_ticks(stopping, interval)
+                except Exception as exc:  # a bug in one tick must not end gossip: silent peers all look dead
+                    log.error("gossip tick failed (a bug; gossip goes on): %s: %s", type(exc).__name__, exc)
+                    log.debug("gossip tick failure", exc_info=True)
+                    await asyncio.sleep(interval)
         finally:
             for task in list(self._inflight.values()):
                 task.cancel()
@@ -182,6 +188,7 @@ class Gossip:
             self.d.checks.refresh_suspects()
             self.refresh_timing()
             self._publish_blocks()
+            self.d.reach.watch_source(self._recent_peers())  # has our own address gone away?
             others = self.d.reach.dial_targets(self.d.membership.alive(include_self=False))
             self.d.reach.tick(others)
             free = [p for p in others if p.peer_id not in self._inflight]
@@ -222,6 +229,12 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+
+    def _recent_peers(self) -> list[pb.PeerInfo]:
+        """Peers the run expects (live, or live lately): those lost a moment ago because our address went away
+        still tell us so."""
+        m, me = self.d.membership, self.d.identity.peer_id
+        return [p for p in map(m.get, m.expected()) if p is not None and p.peer_id != me]
 
     def _publish_blocks(self) -> None:
         """Say once when a live peer turns out undialable from here (peerd/pairblocks.py), and name the live peers we
@@ -421,7 +434,7 @@ class Gossip:
                 # between us is broken (peerd/pairblocks.py). A refusal is not that: its host answered.
                 if not turned_away(exc):
                     log.info("gossip to %s got no connection while others hear it: a broken route?", peer.peer_id[:8])
-                    self.d.membership.no_answer(peer.peer_id)
+                    self.d.membership.no_answer(peer.peer_id, address=peer.address)
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and mark == "down":
                 # A call that hung on an open connection: a busy link, or a route that broke under it. Only a new
                 # connection tells them apart (Reachability.check_route).

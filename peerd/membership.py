@@ -253,13 +253,14 @@ class Membership:
         entry.unreachable_until = now + self.peer_timeout
         entry.unreachable_why = why
 
-    def no_answer(self, peer_id: str, now: float | None = None, *, fresh: bool = False) -> None:
+    def no_answer(self, peer_id: str, now: float | None = None, *, fresh: bool = False, address: str = "") -> None:
         """A dial of ours got no answer from a peer we still count live: evidence of a block (peerd/pairblocks.py)
         if its heartbeat keeps coming through others; nothing else changes. `fresh`: the dial was a new TCP
-        connection (Reachability._route), which also confirms a suspect."""
+        connection (Reachability._route), which also confirms a suspect. `address`: the one dialled; none of this
+        counts once the peer announces another (its old one went away: peerd/netchange.py)."""
         now = time.monotonic() if now is None else now
         entry = self.entries.get(peer_id)
-        if entry is None or not self._heard(peer_id, now):
+        if entry is None or not self._heard(peer_id, now) or (address and entry.info.address != address):
             return
         if fresh:
             self.blocks.check_failed(peer_id, now, int(entry.info.heartbeat))

@@ -190,6 +190,11 @@ class PeerMetrics:
             "they lead no round and own no shard.",
             registry=registry,
         )
+        self.source_changes = Counter(
+            "peerd_source_address_changes",
+            "Times the address this machine sends from went away (a new lease, a move): every connection was renewed.",
+            registry=registry,
+        )
         self.expected_peers = Gauge(
             "peerd_expected_peers",
             "Peers the run expects in a round: live, or seen live within network.forget_after (this one included).",

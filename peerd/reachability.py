@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peerd import tls
+from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.identity import verify
 from peerd.limits import TokenBucket, remote_ip
+from peerd.netchange import SourceWatch, split_host
 from peerd.pairblocks import CHECK_S
 from peerd.pathcheck import fresh_channel, full_size_path
 from peerd.v1 import peerd_pb2 as pb
@@ -123,6 +125,8 @@ class Reachability:
         self._route_next: dict[str, float] = {}  # peer -> no route check before this monotonic time
         self._route_tasks: set[asyncio.Task] = set()
         self._confirming: set[str] = set()  # peers whose confirming connection is in flight (confirm_route)
+        self.source = SourceWatch()  # the address we send from (peerd/netchange.py)
+        self.readdressed = 0  # times we took a new address from a dial-back after ours went away
 
     # -- our own verdict -----------------------------------------------------------------------------------------
     def line(self) -> str:
@@ -144,16 +148,18 @@ class Reachability:
         if self.state == UNKNOWN:
             await self.check(address)
 
-    async def check(self, address: str, peer: pb.PeerInfo | None = None) -> None:
-        """Ask the peer at `address` to dial us back; set our flag from its answer."""
+    async def check(self, address: str, peer: pb.PeerInfo | None = None, readdress: bool = False) -> None:
+        """Ask the peer at `address` to dial us back; set our flag from its answer. `readdress`: our address seems
+        to have changed, and we learned it rather than being told it (--announce): ask to be dialled wherever the
+        peer sees us now, and take that address when the dial-back answers either way."""
         d = self.d
         assert d.channels is not None
         self._next_check = time.monotonic() + RECHECK_S
         nonce = os.urandom(NONCE_BYTES)
         self.pending[nonce] = time.monotonic() + PROBE_DIAL_S + 10.0
-        req = sign(
-            pb.ProbeRequest(address=d.me.address, nonce=nonce, tls_cert=d.me.tls_cert), "Probe", d.identity, d.run_id
-        )
+        readdress = readdress and not d.announce
+        ask = f"0.0.0.0:{d.me.address.rpartition(':')[2]}" if readdress else d.me.address  # the prober fills the host
+        req = sign(pb.ProbeRequest(address=ask, nonce=nonce, tls_cert=d.me.tls_cert), "Probe", d.identity, d.run_id)
         try:
             resp = await d.channels.membership(address, peer).Probe(req, timeout=PROBE_DIAL_S + 5.0)
         except grpc.aio.AioRpcError as exc:
@@ -167,12 +173,49 @@ class Reachability:
         finally:
             self.pending.pop(nonce, None)
         self._failed_calls, self._failed_address = 0, ""
+        if readdress and resp.result in ("reachable", "unreachable") and resp.address:
+            self._adopt(resp.address)
         if resp.result == "reachable":
             self._set(REACHABLE, resp.address or d.me.address)
         elif resp.result == "unreachable":
             self._set(OUTBOUND_ONLY, resp.address or d.me.address)
         else:
             log.info("reachability not checked by %s: %s", address, resp.result[:200])
+
+    def _adopt(self, address: str) -> None:
+        """Announce `address`, where a peer just dialled us back (or tried to), in place of one that went away."""
+        d = self.d
+        if address == d.me.address:
+            return
+        log.warning("our address is now %s (was %s): announcing it, so peers dial us there", address, d.me.address)
+        d.me.address = address
+        d.me.heartbeat += 1  # so gossip carries it at once
+        self.readdressed += 1
+        try:
+            write_atomic(d.data_dir / "address", address)
+        except OSError as exc:
+            log.debug("cannot write the address file: %s", exc)
+
+    def watch_source(self, peers: list[pb.PeerInfo]) -> None:
+        """Once per gossip tick: has the address this machine sends from gone away (peerd/netchange.py)? Then every
+        connection we hold is dead without having failed: renew them all, and (unless --announce) ask a peer where
+        it sees us now. Looks at two fixed peers and one random one, so a destination recurs tick after tick."""
+        d = self.d
+        if not peers or d.channels is None:
+            return
+        ordered = sorted(peers, key=lambda p: p.peer_id)
+        sample = ordered[:2] + random.sample(ordered[2:], min(1, len(ordered[2:])))
+        gone = self.source.sample(p.address for p in sample)
+        if gone is None:
+            return
+        renewed = d.channels.renew()
+        log.warning("this machine's address %s is gone (it sends from %s now): %d connections renewed%s", gone[0],
+                    gone[1], renewed, "" if d.announce else "; asking a peer where it sees us")  # fmt: skip
+        if d.metrics is not None:
+            d.metrics.source_changes.inc()
+        targets = [p for p in peers if dialable(p) and not d.membership.cannot_dial(p.peer_id)]
+        if targets:
+            self._spawn(random.choice(targets), readdress=True)
 
     def outbound_recheck_s(self) -> float:
         """How long after the last check an outbound-only peer asks again: RECHECK_S after its first such verdict,
@@ -207,7 +250,8 @@ class Reachability:
         if before is not None and before != observed:
             log.info("peer %s now sees us at %s (was %s): checking reachability again", peer.peer_id[:8], observed,
                      before)  # fmt: skip
-            self._spawn(peer)
+            # It saw us where we announce, and now elsewhere: our address changed (not a second network of ours)
+            self._spawn(peer, readdress=before == split_host(self.d.me.address))
 
     def tick(self, alive: Iterable[pb.PeerInfo]) -> None:
         """Once per gossip interval: without a verdict, or while outbound-only once `outbound_recheck_s` passed, ask
@@ -221,11 +265,14 @@ class Reachability:
         if peers:
             self._spawn(random.choice(others or peers))
 
-    def _spawn(self, peer: pb.PeerInfo) -> None:
-        if (self._task is not None and not self._task.done()) or time.monotonic() < self._next_check:
+    def _spawn(self, peer: pb.PeerInfo, readdress: bool = False) -> None:
+        """Start a check unless one runs or (except to re-address: our address went away) one ran lately."""
+        if self._task is not None and not self._task.done():
+            return
+        if time.monotonic() < self._next_check and not (readdress and not self.d.announce):
             return
         self._next_check = time.monotonic() + RECHECK_S
-        self._task = asyncio.ensure_future(self.check(peer.address, peer))
+        self._task = asyncio.ensure_future(self.check(peer.address, peer, readdress))
 
     def dial_targets(self, peers: Iterable[pb.PeerInfo]) -> list[pb.PeerInfo]:
         """The peers we may dial among `peers`; says once, in one line, when we are outbound-only and nobody is."""
@@ -281,17 +328,20 @@ class Reachability:
             m.blocks.reached(peer.peer_id)  # its host answered: the route works (the process may be gone)
             return
         except (OSError, asyncio.TimeoutError):
+            now_at = m.get(peer.peer_id)
+            if now_at is not None and now_at.address != peer.address:
+                return  # it announces another address now (its old one went away): nothing to say about the old
             log.info(
                 "a new connection to %s got no answer in %.0f s: a broken route?", peer.peer_id[:8], ROUTE_CONNECT_S
             )
-            m.no_answer(peer.peer_id, fresh=True)
+            m.no_answer(peer.peer_id, fresh=True, address=peer.address)
             return
         writer.close()
         # A handshake: the route works for small packets, whatever a gRPC call met. Full-size ones may still vanish.
         if await full_size_path(host, port, ROUTE_CONNECT_S, secure=self.d.tls is not None) is False:
             log.info("full-size packets to %s get no answer while small ones do: a path MTU blackhole?",
                      peer.peer_id[:8])  # fmt: skip
-            m.no_answer(peer.peer_id, fresh=True)
+            m.no_answer(peer.peer_id, fresh=True, address=peer.address)
             return
         m.blocks.reached(peer.peer_id)
 

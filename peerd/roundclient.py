@@ -11,7 +11,6 @@ Everything here runs on the daemon loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import torch
 
 from peerd import faults
 from peerd.allreduce import ReduceRound, RoundFailed, RoundResult
+from peerd.callwatch import CallWatch, LeaderMoved, LeaderUndialable, PeerSilent, plausible_step
 from peerd.channels import UNREACHABLE, dial_failure
 from peerd.consistency import Claim, outranks
 from peerd.envelope import sign
@@ -46,24 +46,12 @@ LINGER_ROUNDS = 2
 that missed a shard whose owner died may need one of them (shard_relay.py)."""
 
 
-class PeerSilent(Exception):
-    """A peer a pending call depends on went silent in gossip (a split, or it died): give up on the call now."""
-
-    def __init__(self, peer_id: str) -> None:
-        super().__init__(f"{peer_id[:8]} has been silent for twice the peer timeout")
-        self.peer_id = peer_id
-
-
-class LeaderUndialable(Exception):
-    """The leader a rendezvous waits on turned out undialable from here, though live to others (peerd/pairblocks.py):
-    try the next one, without naming it a suspect (the others reach it)."""
-
-
 class RoundClient:
     """Rendezvous, all-reduce rounds and their bookkeeping for one daemon (`daemon.round_client`)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
+        self.watch = CallWatch(daemon)  # gives up on calls whose peers look gone
         self.registry = RoundRegistry(daemon.cfg.network.rendezvous_timeout + 10.0)
         self.rounds = self.registry.rounds  # round id -> its ReduceRound, while in flight or lingering
         self._lingering: list[asyncio.Task] = []  # rounds' source watchers, oldest first (_watch_sources)
@@ -149,8 +137,7 @@ class RoundClient:
         return info if ok else None
 
     def _plausible_step(self) -> int:
-        steps = sorted(p.outer_step for p in self.d.membership.alive())
-        return steps[(len(steps) - 1) // 2] if steps else self.d.status.outer_step  # the lower median
+        return plausible_step(self.d)
 
     async def _rendezvous(
         self,
@@ -241,7 +228,11 @@ class RoundClient:
             try:
                 call = self.d.channels.rounds(target.address, target).Rendezvous(req, timeout=timeout)
                 answer = faults.rendezvous_answer(step, call)
-                resp = await self._unless_silent(answer, [target.peer_id], leader=True, step=step)
+                resp = await self.watch.until_done(answer, [target.peer_id], leader=True, step=step, at=target.address)
+            except LeaderMoved as exc:
+                log.info("rendezvous with %s: asking again on a new connection (%s)", target.peer_id[:8], exc)
+                target = exc.info
+                continue
             except LeaderUndialable:
                 # A route broken under an open connection: the call hung on it until now (a new dial meets the
                 # 5 s check above).
@@ -323,54 +314,6 @@ class RoundClient:
 
         return usable
 
-    async def _unless_silent(
-        self,
-        work: Any,
-        peers: list[str],
-        on_silent: Callable[[str], None] | None = None,
-        incarnations: dict[str, int] | None = None,
-        leader: bool = False,
-        step: int = -1,
-    ) -> Any:
-        """Await `work` (an RPC or a round), but give up as soon as one of `peers` has been silent in gossip for
-        twice the peer timeout: across a network split a call neither fails nor answers until its deadline (3x
-        the rendezvous timeout, or the round timeout), and every second spent there is a second not training.
-        Twice the timeout, so gossip delayed behind a bulk transfer on a slow link does not abort a healthy round.
-        `on_silent` (a round's abort) lets the work end itself; without it the call is cancelled (PeerSilent).
-        With `incarnations` (each peer's when the work began), a peer that restarted since counts as gone too.
-        `leader`: the work is a rendezvous with `peers[0]` for `step`, given up (LeaderUndialable) once we cannot dial
-        it, and (Behind) once the swarm is two steps past `step`: every round we could join there is over. A leader
-        whose answers vanish on the way (a path MTU blackhole) held a peer 18 s while the others trained on; its
-        silence counts as a dial without an answer (peerd/pairblocks.py)."""
-        task = asyncio.ensure_future(work)
-        limit = 2 * self.d.cfg.network.peer_timeout
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.d.cfg.network.gossip_interval)
-                if done:
-                    return task.result()
-                if leader and self.d.membership.cannot_dial(peers[0]):
-                    raise LeaderUndialable(peers[0])
-                if leader and step >= 0 and self._plausible_step() >= step + 2:
-                    log.warning("round leader %s has not answered while the swarm moved on to step %d; catching up",
-                                peers[0][:8], self._plausible_step())  # fmt: skip
-                    self.d.membership.no_answer(peers[0])
-                    raise Behind(self._plausible_step())
-                silent = next(
-                    (p for p in peers if self.d.membership.silent_for(p) > limit or self._restarted(p, incarnations)),
-                    None,
-                )
-                if silent is not None:
-                    if on_silent is None:
-                        raise PeerSilent(silent)
-                    on_silent(silent)
-                    peers = [p for p in peers if p != silent]
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-
     def _watch_sources(self, round_id: bytes, rnd: ReduceRound, incarnations: dict[str, int]) -> asyncio.Task:
         """For the round and a while after it completed here: when a peer that sent us a whole shard looks gone (not
         live in gossip, or restarted), relay that shard to the next in line (shard_relay.py). Then unregister the
@@ -382,7 +325,7 @@ class RoundClient:
                 while time.monotonic() < rnd.deadline and not rnd.failed:
                     await asyncio.sleep(net.gossip_interval)
                     for pid in {h.source for h in rnd.held.values()}:
-                        if not self.d.membership.is_alive(pid) or self._restarted(pid, incarnations):
+                        if not self.d.membership.is_alive(pid) or self.watch.restarted(pid, incarnations):
                             rnd.source_gone(pid)
             finally:
                 if self.rounds.get(round_id) is rnd and not rnd.failed:  # a failed one answers its abort until
@@ -394,14 +337,6 @@ class RoundClient:
         while len(self._lingering) > LINGER_ROUNDS:
             self._lingering.pop(0).cancel()
         return task
-
-    def _restarted(self, peer_id: str, incarnations: dict[str, int] | None) -> bool:
-        """Whether `peer_id` restarted since the group formed (`incarnations`: each member's then)."""
-        return (
-            bool(incarnations)
-            and peer_id in incarnations
-            and self.d.membership.restarted_since(peer_id, incarnations[peer_id])
-        )
 
     def _unreachable_at(self, peer_id: str, address: str, how: str) -> None:
         """A round's dial of `peer_id` at `address` failed (`how`: "refused" or "no_answer"): mark it unreachable,
@@ -509,11 +444,12 @@ class RoundClient:
             # A group may hold a peer we banned (the leader has not): we still take part, so that every honest owner
             # sees that peer's data and bans it too; its streams to us are refused, which fails the round at once.
             try:
-                result = await self._unless_silent(
+                result = await self.watch.until_done(
                     rnd.run(self.stub_for, self.d.verifier),
                     [m.peer_id for m in group.members],
                     rnd.member_lost,  # the round goes on without it (allreduce.py)
                     incarnations,
+                    addresses={m.peer_id: m.address for m in group.members},
                 )
                 if result.lost and len(set(result.included)) < 2 <= len(rnd.ids):
                     # Every other member looked lost: owners that abort a round end our streams as dead ones do, and

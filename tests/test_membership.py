@@ -82,10 +82,12 @@ def _bare_gossip(m: Membership, *, dial: bool):  # -> peerd.gossip.Gossip
     g.d = SimpleNamespace(
         membership=m, metrics=None, cfg=SimpleNamespace(network=SimpleNamespace(gossip_interval=0.2)),
         checks=SimpleNamespace(refresh_suspects=lambda: None),
-        reach=SimpleNamespace(dial_targets=(lambda peers: peers) if dial else (lambda peers: []), tick=lambda p: None),
+        reach=SimpleNamespace(dial_targets=(lambda peers: peers) if dial else (lambda peers: []), tick=lambda p: None,
+                              watch_source=lambda p: None),
     )  # fmt: skip
     g._inflight, g._long, g.stalled_s = {}, set(), 0.0
     g.refresh_timing = g._note_lost = g._remember = lambda *a: None  # type: ignore[method-assign]
+    g._recent_peers = lambda: []  # type: ignore[method-assign]
     return g
 
 

@@ -76,6 +76,7 @@ class _FakeDaemon:
         self.me = pb.PeerInfo(peer_id=self.identity.peer_id, address="0.0.0.0:7000", heartbeat=5)
         self.metrics = None
         self.cfg = RunConfig()
+        self.announce: str | None = None
 
 
 def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
@@ -97,11 +98,12 @@ def test_echo_answers_only_our_nonces_and_flag_flips_bump_heartbeat() -> None:
 def test_a_changed_observed_address_triggers_a_new_check() -> None:
     import asyncio
 
-    r = Reachability(_FakeDaemon())  # type: ignore[arg-type]
-    asked: list[str] = []
+    d: Any = _FakeDaemon()
+    r = Reachability(d)
+    asked: list[tuple[str, bool]] = []
 
-    async def check(address: str, peer: Any = None) -> None:
-        asked.append(address)
+    async def check(address: str, peer: Any = None, readdress: bool = False) -> None:
+        asked.append((address, readdress))
 
     r.check = check  # type: ignore[method-assign]
     peer = pb.PeerInfo(peer_id="p" * 32, address="10.0.0.9:7000")
@@ -113,10 +115,18 @@ def test_a_changed_observed_address_triggers_a_new_check() -> None:
         assert asked == []  # first sighting, then the same: nothing to check
         r.observe(peer, "198.51.100.2")
         await asyncio.sleep(0)
-        assert asked == ["10.0.0.9:7000"]
+        assert asked == [("10.0.0.9:7000", False)]  # it never saw us where we announce: a second network of ours?
         r.observe(peer, "198.51.100.3")  # within RECHECK_S of the last check: rate-limited
         await asyncio.sleep(0)
-        assert asked == ["10.0.0.9:7000"]
+        assert len(asked) == 1
+        d.me.address = "198.51.100.3:7000"  # it saw us where we announce, and now elsewhere: our address changed
+        r.observe(peer, "198.51.100.4")
+        await asyncio.sleep(0)
+        assert asked[1:] == [("10.0.0.9:7000", True)]  # not rate-limited: every dial of us fails meanwhile
+        d.announce, d.me.address = "198.51.100.4:7000", "198.51.100.4:7000"  # --announce: the user's to keep right
+        r.observe(peer, "198.51.100.5")
+        await asyncio.sleep(0)
+        assert len(asked) == 2
 
     asyncio.run(scenario())
 
