@@ -20,6 +20,7 @@ from peerd.identity import peer_id_of
 from peerd.limits import LimitExceeded, LogThrottle, PeerLimits
 from peerd.membership import Membership
 from peerd.robust import STRIKE_REASONS, BanList, majority_suspects
+from peerd.swarmclock import CLOCK
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class RequestChecks:
         if shown:
             more = f" ({suppressed} more refused for this reason were not logged)" if suppressed else ""
             log.warning("refused a request (%s): %s%s", reason, msg, more)
+        if reason == "stale":  # our time, so a peer whose clock is wrong can take the swarm's (swarmclock.py)
+            metadata = (*metadata, *CLOCK.refusal_metadata())
         await context.abort(code, msg, metadata)
         raise AssertionError("unreachable")  # context.abort raises
 

@@ -7,7 +7,6 @@ The signature covers a domain tag, the RPC method name and the deterministic ser
 from __future__ import annotations
 
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from peerd.identity import Identity, peer_id_of, verify
+from peerd.swarmclock import CLOCK
 
 DOMAIN = b"peerd.v1\x00"
 MAX_CLOCK_SKEW_S = 300.0
@@ -56,7 +56,7 @@ def sign(msg: Message, method: str, identity: Identity, run_id: bytes, admission
     auth = msg.auth
     auth.run_id = run_id
     auth.public_key = identity.public_key
-    auth.timestamp_ms = int(time.time() * 1000)
+    auth.timestamp_ms = int(CLOCK.now() * 1000)
     auth.nonce = os.urandom(16)
     prover = None if admission else _PROVERS.get(identity.public_key)
     auth.admission = prover(auth) if prover is not None else admission
@@ -109,9 +109,15 @@ class Verifier:
             self.gate(auth)
         if not verify(auth.public_key, auth.signature, signed_bytes(method, msg)):
             raise AuthError("bad_signature", f"{method}: signature does not match the sender's key")
-        now = time.time()
-        if abs(now - auth.timestamp_ms / 1000.0) > self.max_skew_s:
-            raise AuthError("stale", f"{method}: timestamp is more than {self.max_skew_s:.0f}s off")
+        now = CLOCK.now()
+        skew = auth.timestamp_ms / 1000.0 - now
+        if abs(skew) > self.max_skew_s:
+            where = "ahead of" if skew > 0 else "behind"
+            raise AuthError(
+                "stale",
+                f"{method}: timestamp is {abs(skew):.0f} s {where} this peer's clock (at most {self.max_skew_s:.0f} s "
+                "is accepted): one of the two clocks is wrong",
+            )
         if not self.replay.check(auth.nonce, now):
             raise AuthError("replay", f"{method}: nonce was already used (replayed request)")
         return peer_id_of(auth.public_key)

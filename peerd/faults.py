@@ -29,6 +29,17 @@ def _env(name: str) -> str:
     return os.environ.get(name, "")
 
 
+# This machine's wall clock is off by this many seconds (900: a quarter of an hour ahead), as on a volunteer's
+# machine without NTP, or a dual-boot one whose hardware clock keeps local time. Every wall-clock read that peers
+# compare (request timestamps, peerd/envelope.py) goes through wall().
+CLOCK_OFFSET_S = float(_env("PEERD_FAULT_CLOCK_OFFSET_S") or 0)
+
+
+def wall() -> float:
+    """time.time() as this machine's clock reads it."""
+    return time.time() + CLOCK_OFFSET_S
+
+
 # Flip bytes in every encoded payload this peer sends in a round (after encoding, before signing the stream), so
 # the stream checks out but the frame's checksum does not: the receiver must refuse it and the round go on without us.
 CORRUPT_PAYLOADS = _env("PEERD_FAULT_CORRUPT_PAYLOADS") == "1"

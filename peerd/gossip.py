@@ -23,6 +23,7 @@ from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.reachability import dialable
 from peerd.redial import Redialer
+from peerd.swarmclock import CLOCK
 from peerd.v1 import peerd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -121,7 +122,13 @@ class Gossip:
             self.d.run_id,
         )
         try:
-            resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
+            try:
+                resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if not CLOCK.heard(exc, addr, lambda: len(self.d.membership.alive()) - 1):
+                    raise
+                req = sign(req, "Join", self.d.identity, self.d.run_id)  # refused as stale: again, by the swarm's time
+                resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in UNREACHABLE or exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNIMPLEMENTED):
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -229,6 +236,7 @@ class Gossip:
                 self.d.metrics.alive_peers.set(len(view.alive))
                 self.d.metrics.expected_peers.set(len(view.expected))
                 self.d.metrics.work.set(self.d.me.work)
+                self.d.metrics.clock_offset.set(CLOCK.offset)
 
     def _recent_peers(self) -> list[pb.PeerInfo]:
         """Peers the run expects (live, or live lately): those lost a moment ago because our address went away
@@ -413,6 +421,7 @@ class Gossip:
         try:
             resp = await self.d.channels.membership(peer.address, peer).Gossip(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            CLOCK.heard(exc, peer.address, lambda: len(self.d.membership.alive()) - 1)  # refused as stale: our clock?
             # A gossip call that overran its deadline on a connected channel met a busy peer or a busy link (a
             # round's bytes queued ahead of it), not a dead one: marking it dead made leaders close groups without it
             # and split the step. Marked: a refused connection, and a channel that is not connected with the peer

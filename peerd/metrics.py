@@ -190,6 +190,11 @@ class PeerMetrics:
             "they lead no round and own no shard.",
             registry=registry,
         )
+        self.clock_offset = Gauge(
+            "peerd_clock_offset_seconds",
+            "Correction this peer applies to its own clock to sign by the swarm's time (0: its clock is right).",
+            registry=registry,
+        )
         self.source_changes = Counter(
             "peerd_source_address_changes",
             "Times the address this machine sends from went away (a new lease, a move): every connection was renewed.",

@@ -34,6 +34,7 @@ from peerd.limits import TokenBucket, remote_ip
 from peerd.netchange import SourceWatch, split_host
 from peerd.pairblocks import CHECK_S
 from peerd.pathcheck import fresh_channel, full_size_path
+from peerd.swarmclock import CLOCK
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 
@@ -163,6 +164,9 @@ class Reachability:
         try:
             resp = await d.channels.membership(address, peer).Probe(req, timeout=PROBE_DIAL_S + 5.0)
         except grpc.aio.AioRpcError as exc:
+            if CLOCK.heard(exc, address, lambda: len(d.membership.alive()) - 1):  # stale: our clock is wrong
+                self.pending.pop(nonce, None)
+                return await self.check(address, peer, readdress)
             self._failed_calls += 1
             self._failed_address = address
             retry = min(RECHECK_S, RETRY_S * 2 ** min(self._failed_calls - 1, 16))
