@@ -5,8 +5,8 @@ which bounds how long a captured request could be replayed. A volunteer whose cl
 machine whose hardware clock keeps local time: off by whole hours) was refused by everyone, and `peerd start` ended
 with "refused us: Join: timestamp is more than 300s off". A peer that refuses a request as stale now says its own time
 in the reply's trailing metadata (TIME_KEY), and the refused peer takes the swarm's time from it: from the peer it
-joins through when it knows no other, else only when two peers agree (one peer with a wrong clock must not drag the
-others to its time). It then signs and checks by the swarm's time, and says once what is wrong and how to fix it.
+joins through while it knows no live peer, else only when two peers agree (one peer with a wrong clock must not drag
+the others to its time). It then signs and checks by the swarm's time, and says once what is wrong and how to fix it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class SwarmClock:
 
     def heard(self, exc: BaseException, source: str, known_peers: Callable[[], int]) -> bool:
         """A call of ours to `source` failed with `exc`: if it was refused as stale with the peer's time, learn from
-        it. `known_peers()`: the live peers we know (one or none: we are joining through `source`, so trust it alone).
+        it. `known_peers()`: the live peers we know besides ourselves (none: we are joining through `source`, so trust
+        it alone; in a running pair, each trusting the other alone would swap their clocks back and forth).
         True when our offset changed: the caller may retry at once."""
         their_ms = _their_time(exc)
         if their_ms is None:
@@ -58,7 +59,7 @@ class SwarmClock:
         if len(self._samples) < MAX_SOURCES or source in self._samples:
             self._samples[source] = (sample, now)
         agreeing = [v[0] for v in self._samples.values() if abs(v[0] - sample) < AGREE_S]
-        if len(agreeing) < 2 and known_peers() > 1:
+        if len(agreeing) < 2 and known_peers() > 0:
             return False
         self.offset = statistics.median(agreeing)
         ahead = -self.offset
