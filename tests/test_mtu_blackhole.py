@@ -11,13 +11,12 @@ Needs root for the namespaces (CI runs as root); skips with the reason otherwise
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_nontransitive import check_one_model_all_in
-from tests.test_partition import PACE, _config, _wait_step, needs_netns
+from tests.test_nontransitive import check_one_model_all_in, run_with_pair_fault
+from tests.test_partition import PACE, _config, needs_netns
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -34,21 +33,7 @@ EARLY = 12
 def test_an_mtu_blackhole_between_two_peers_is_found_and_routed_around(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str, secure: bool
 ) -> None:
-    from bench.netfaults import FaultNet
-    from tests.netswarm import NetSwarm
-
     monkeypatch.setenv(*PACE)
     cfg = _config(tmp_path, "diloco", steps=STEPS, linger=8.0)
-    with FaultNet(4, 1000.0) as net:
-        if when == "start":
-            net.blackhole_between(1, 2)
-        with NetSwarm(tmp_path, 4, cfg, net=net, secure=secure) as swarm:
-            if when == "mid-run":
-                _wait_step(swarm, 3, 120)
-                net.blackhole_between(1, 2)
-            t0 = time.monotonic()
-            swarm.wait_exit(240)
-            took = time.monotonic() - t0
-        dropped = net.dropped_between(1, 2) + net.dropped_between(2, 1)
-    assert dropped > 0  # full-size packets between 1 and 2 were sent, and dropped
+    swarm, took = run_with_pair_fault(tmp_path, cfg, "blackhole", when, secure)
     check_one_model_all_in(swarm, STEPS - EARLY, took)

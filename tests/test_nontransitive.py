@@ -32,24 +32,34 @@ EARLY = {"start": 3, "mid-run": 12}
 def test_two_peers_that_cannot_reach_each_other_end_in_one_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, when: str
 ) -> None:
+    monkeypatch.setenv(*PACE)
+    cfg = _config(tmp_path, algorithm, steps=STEPS, linger=8.0)
+    swarm, took = run_with_pair_fault(tmp_path, cfg, "block", when)
+    check_one_model_all_in(swarm, STEPS - EARLY[when], took)
+
+
+def run_with_pair_fault(tmp_path: Path, cfg: Path, fault: str, when: str, secure: bool = False) -> tuple[Any, float]:
+    """Run 4 peers in namespaces to the end with hosts 1 and 2 cut from each other (`fault`: "block", every packet;
+    "blackhole", full-size ones) from the start or from step 3 (`when`: "start" or "mid-run", under open connections,
+    as a route that breaks). Returns the swarm and the seconds from the fault (or the start) to the end; checks the
+    pair did try each other."""
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
 
-    monkeypatch.setenv(*PACE)
-    cfg = _config(tmp_path, algorithm, steps=STEPS, linger=8.0)
     with FaultNet(4, 1000.0) as net:
+        cut = net.block_between if fault == "block" else net.blackhole_between
         if when == "start":
-            net.block_between(1, 2)
-        with NetSwarm(tmp_path, 4, cfg, net=net) as swarm:
-            if when == "mid-run":  # open connections stall, as under a route that breaks
+            cut(1, 2)
+        with NetSwarm(tmp_path, 4, cfg, net=net, secure=secure) as swarm:
+            if when == "mid-run":
                 _wait_step(swarm, 3, 120)
-                net.block_between(1, 2)
+                cut(1, 2)
             t0 = time.monotonic()
             swarm.wait_exit(240)
             took = time.monotonic() - t0
         dropped = net.dropped_between(1, 2) + net.dropped_between(2, 1)
-    assert dropped > 0  # the block was exercised: 1 and 2 did try each other
-    check_one_model_all_in(swarm, STEPS - EARLY[when], took)
+    assert dropped > 0  # the fault was exercised: 1 and 2 did try each other
+    return swarm, took
 
 
 def check_one_model_all_in(swarm: Any, full_at_least: int, took: float) -> None:
