@@ -111,6 +111,7 @@ class Channels:
         self._warned: set[tuple[str, str]] = set()
         self.renewed = 0  # times renew() replaced every channel (our source address went away)
         self._retiring: set[asyncio.Task] = set()
+        self._old: list[grpc.aio.Channel] = []  # replaced by renew(), not closed yet
 
     def pin(self, address: str, cert_der: bytes) -> None:
         """Trust `cert_der` at `address` when no gossiped peer claims the address (bootstrap, first contact)."""
@@ -203,6 +204,7 @@ class Channels:
         self._channels.clear()
         self.renewed += 1
         if old:
+            self._old.extend(old)
             task = asyncio.ensure_future(self._retire(old))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
@@ -211,6 +213,7 @@ class Channels:
     async def _retire(self, channels: list[grpc.aio.Channel]) -> None:
         await asyncio.sleep(RETIRE_S)
         for ch in channels:
+            self._old.remove(ch)
             await ch.close()
 
     async def drop(self, address: str) -> None:
@@ -220,6 +223,7 @@ class Channels:
     async def close(self) -> None:
         for task in list(self._retiring):
             task.cancel()
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *self._old]:
             await ch.close()
         self._channels.clear()
+        self._old.clear()

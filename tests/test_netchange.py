@@ -78,3 +78,15 @@ def test_renew_gives_new_channels_and_closes_the_old_ones_later(monkeypatch: pyt
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_close_also_closes_channels_still_retiring() -> None:
+    async def run() -> None:
+        pool = Channels()
+        old = pool.channel("127.0.0.1:9")
+        pool.renew()
+        await pool.close()  # long before RETIRE_S
+        with pytest.raises(grpc.aio.UsageError):
+            await old.unary_unary("/x.Y/Z")(b"", timeout=0.1)
+
+    asyncio.run(run())
