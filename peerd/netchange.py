@@ -40,6 +40,20 @@ def source_for(host: str, port: int = 9) -> str | None:
         return None
 
 
+def is_local(address: str) -> bool:
+    """Is `address` (an IP address, never a name: no lookup) one of this machine's own? (A socket binds to it.)"""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+            return True
+    except OSError:
+        return False
+
+
 def still_local(address: str) -> bool:
     """Can this machine still send from `address`? (It can bind a socket to it.)"""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET

@@ -31,7 +31,7 @@ from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.identity import verify
 from peerd.limits import TokenBucket, remote_ip
-from peerd.netchange import SourceWatch, split_host
+from peerd.netchange import SourceWatch, is_local, split_host
 from peerd.pairblocks import CHECK_S
 from peerd.pathcheck import fresh_channel, full_size_path
 from peerd.swarmclock import CLOCK
@@ -178,7 +178,7 @@ class Reachability:
             self.pending.pop(nonce, None)
         self._failed_calls, self._failed_address = 0, ""
         if readdress and resp.result in ("reachable", "unreachable") and resp.address:
-            self._adopt(resp.address)
+            self._adopt(resp.address, peer.peer_id if peer is not None else "")
         if resp.result == "reachable":
             self._set(REACHABLE, resp.address or d.me.address)
         elif resp.result == "unreachable":
@@ -186,10 +186,17 @@ class Reachability:
         else:
             log.info("reachability not checked by %s: %s", address, resp.result[:200])
 
-    def _adopt(self, address: str) -> None:
-        """Announce `address`, where a peer just dialled us back (or tried to), in place of one that went away."""
+    def _adopt(self, address: str, prober: str) -> None:
+        """Announce `address`, where the peer `prober` just dialled us back (or tried to), in place of one that went
+        away: if it is an address of this machine, or another peer sees us there too. One peer's word alone would let
+        a lying peer point everyone at an address where we are not."""
         d = self.d
-        if address == d.me.address:
+        host = split_host(address)
+        if address == d.me.address or not host:
+            return
+        if not is_local(host) and not any(h == host for pid, h in self.seen.items() if pid != prober):
+            log.info("peer %s dialled us back at %s, where no other peer sees us yet: keeping %s for now",
+                     prober[:8], address, d.me.address)  # fmt: skip
             return
         log.warning("our address is now %s (was %s): announcing it, so peers dial us there", address, d.me.address)
         d.me.address = address

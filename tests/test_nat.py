@@ -418,3 +418,21 @@ def test_a_joiner_whose_probe_got_no_answer_has_its_verdict_seconds_later(tmp_pa
     assert "fault injection: dropping a dial-back probe request" in swarm.peers[0].log()
     assert "UNAVAILABLE" in joiner.log() and "asking again in 2s" in joiner.log(), joiner.log_tail()
     assert took < 15, took  # RETRY_S (2 s) and a gossip interval, not RECHECK_S (30 s)
+
+
+def test_a_new_address_is_taken_only_where_this_machine_is_or_a_second_peer_sees_it(tmp_path: Path) -> None:
+    """Re-addressing (peerd/netchange.py): one peer's word alone would let a liar point everyone at an address where
+    we are not."""
+    d: Any = _FakeDaemon()
+    d.data_dir, d.me.address = tmp_path, "198.51.100.3:7000"
+    r = Reachability(d)
+    prober, other = "p" * 32, "q" * 32
+    r.seen = {prober: "198.51.100.9", other: "198.51.100.3"}
+    r._adopt("198.51.100.9:7000", prober)
+    assert d.me.address == "198.51.100.3:7000" and r.readdressed == 0  # only the prober sees us there
+    r.seen[other] = "198.51.100.9"
+    r._adopt("198.51.100.9:7000", prober)
+    assert d.me.address == "198.51.100.9:7000" and d.me.heartbeat == 6
+    assert (tmp_path / "address").read_text().strip() == "198.51.100.9:7000"
+    r._adopt("127.0.0.1:7000", prober)  # an address of this machine: no second opinion needed
+    assert d.me.address == "127.0.0.1:7000" and r.readdressed == 2

@@ -11,7 +11,7 @@ import pytest
 from peerd import channels as channels_mod
 from peerd import netchange
 from peerd.channels import Channels
-from peerd.netchange import SourceWatch, source_for, split_host, still_local
+from peerd.netchange import SourceWatch, is_local, source_for, split_host, still_local
 
 
 def test_split_host_reads_v4_v6_and_names() -> None:
@@ -25,6 +25,7 @@ def test_the_kernel_names_a_source_without_sending_anything() -> None:
     assert source_for("127.0.0.1") == "127.0.0.1"
     assert still_local("127.0.0.1")
     assert not still_local("192.0.2.77")  # TEST-NET-1: never an address of this machine
+    assert is_local("127.0.0.1") and not is_local("192.0.2.77") and not is_local("localhost")  # names: no lookup
 
 
 def _watch(monkeypatch: pytest.MonkeyPatch, sources: dict[str, str], local: set[str]) -> SourceWatch:
