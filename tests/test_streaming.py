@@ -416,7 +416,9 @@ def test_delayed_exchange_wait_and_skip(tmp_path: Path, monkeypatch: pytest.Monk
         assert st["rounds_applied"] == syncs and st["merges_on_time"] == syncs and st["merges_skipped"] == 0
         # the delay is calibrated to outlast tau inner steps; on a loaded machine one step can outlast it instead
         assert st["merge_waits"] >= syncs - 1
-        assert summary["compute_idle_seconds"] >= syncs * delay * 0.5, summary  # the waits are counted
+        # The waits are counted. Each is the delay less the inner steps taken meanwhile, which a loaded machine slows:
+        # in one clean-clone CI run three waits of a 0.40 s delay came to 0.51 s in all (half the delay each: 0.59 s).
+        assert summary["compute_idle_seconds"] >= syncs * delay * 0.25, summary
     for st, summary in results["skip"]:
         assert st["rounds_applied"] == syncs and st["merges_skipped"] + st["merges_on_time"] == syncs
         assert st["merges_skipped"] >= syncs - 1  # (as above: under load an exchange may land in time)

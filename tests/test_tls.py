@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from peerd.config import RunConfig
 from peerd.envelope import sign, signed_bytes
 from peerd.identity import Identity
 from peerd.streams import HEADER_METHOD
+from peerd.swarmclock import TIME_KEY
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
 from tests.swarm import REPO, Swarm, tiny_config
@@ -166,7 +168,9 @@ def _replayed_stale_and_forged_are_refused_over_tls(addr: str, run_id: bytes) ->
         stale.auth.timestamp_ms -= 3_600_000
         stale.auth.signature = me.sign(signed_bytes("Gossip", stale))  # validly signed, an hour old
         err = refused(lambda: members.Gossip(stale, timeout=5))
-        assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "off" in err.details()
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "3600 s behind this peer's clock" in err.details()
+        said = dict(err.trailing_metadata() or ())  # the refusing peer's time, for a peer whose clock is wrong
+        assert abs(int(said[TIME_KEY]) / 1000 - time.time()) < 60
         as_leave = sign(pb.GossipRequest(), "Gossip", me, run_id)  # a Gossip signature does not make a Leave
         leave = pb.LeaveRequest(auth=as_leave.auth, self=pb.PeerInfo(peer_id=me.peer_id, public_key=me.public_key))
         err = refused(lambda: members.Leave(leave, timeout=5))
