@@ -132,6 +132,7 @@ class Worker:
         self.autocast = self.device.type == "cuda"
         self.step_delay = faults.step_delay()
         self._overtaken_check = 0.0  # monotonic time of the next `overtaken` look at the swarm
+        self._stranded_at: float | None = None  # monotonic time `overtaken` first found nobody live holding the end
         self.stranded = False  # the run ended without us and nobody could serve its end (`overtaken`)
 
     # -- bookkeeping used by algorithms ---------------------------------------------------------------------------
@@ -293,18 +294,26 @@ class Worker:
           of a round; the boundary's own check covers it.)
         - "waiting": a peer announced finishing, a live one still holds the end, and its download failed: try again,
           without training meanwhile.
-        - "stranded": a peer announced finishing and no live peer holds the end. Training on alone would end the run
-          on a second model: a peer cut off from the others' bulk traffic (an MTU blackhole) trained 37 solo steps to
-          the end after the others left, and reported finished."""
+        - "stranded": a peer announced finishing and no live peer has held the end for a few gossip intervals (before
+          that: "waiting"). Training on alone would end the run on a second model: a peer cut off from the others'
+          bulk traffic (an MTU blackhole) trained 37 solo steps to the end after the others left, and reported
+          finished."""
         if target <= 0 or not self.ranked or self.outer_step > target - 2 or time.monotonic() < self._overtaken_check:
             return ""
         self._overtaken_check = time.monotonic() + self.cfg.network.gossip_interval
         held = self.swarm.swarm_step() >= target
         if held and self.heal():
             return "adopted"
-        if self.swarm.finished_step() < target:
-            return ""
-        return "waiting" if held else "stranded"
+        finished = self.swarm.finished_step() >= target
+        if held or not finished:
+            self._stranded_at = None
+            return "waiting" if held and finished else ""
+        # Nobody live holds the end. Right after a stall of our own (a frozen process, a suspended laptop) every peer
+        # looks silent until gossip hears from them again: a peer resumed 15 ms before found the lingering holders
+        # "gone" and stopped (CI). Say so only once it has held for a few gossip intervals.
+        now = time.monotonic()
+        self._stranded_at = now if self._stranded_at is None else self._stranded_at
+        return "stranded" if now - self._stranded_at >= max(2.0, 4 * self.cfg.network.gossip_interval) else "waiting"
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
