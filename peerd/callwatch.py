@@ -127,11 +127,12 @@ class CallWatch:
             raise LeaderMoved(now_at, "it announces a new address")
         if now_at is not None and self.d.channels is not None and self.d.channels.renewed != renewed:
             raise LeaderMoved(now_at, "our address went away")
-        if step >= 0 and plausible_step(self.d) >= step + 2:
+        swarm = plausible_step(self.d) if step >= 0 else -1  # sorts the live peers: once per look
+        if step >= 0 and swarm >= step + 2:
             log.warning("round leader %s has not answered while the swarm moved on to step %d; catching up",
-                        leader[:8], plausible_step(self.d))  # fmt: skip
+                        leader[:8], swarm)  # fmt: skip
             self.d.membership.no_answer(leader, address=at)
-            raise Behind(plausible_step(self.d))
+            raise Behind(swarm)
 
     def _moved(self, peer_id: str, addresses: dict[str, str] | None) -> bool:
         """`peer_id` announces another address than the one the work dials (its own went away): the connections the
