@@ -40,29 +40,29 @@ def source_for(host: str, port: int = 9) -> str | None:
         return None
 
 
+def _bind_errno(ip: str) -> int | None:
+    """Bind a UDP socket to `ip` (an IP address): None when it binds, else the error number."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((ip, 0))
+            return None
+    except OSError as exc:
+        return exc.errno if exc.errno is not None else -1
+
+
 def is_local(address: str) -> bool:
     """Is `address` (an IP address, never a name: no lookup) one of this machine's own? (A socket binds to it.)"""
     try:
-        ip = ipaddress.ip_address(address)
+        ip = str(ipaddress.ip_address(address))
     except ValueError:
         return False
-    try:
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((str(ip), 0))
-            return True
-    except OSError:
-        return False
+    return _bind_errno(ip) is None
 
 
 def still_local(address: str) -> bool:
-    """Can this machine still send from `address`? (It can bind a socket to it.)"""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.bind((address, 0))
-            return True
-    except OSError as exc:  # only "not an address here" says gone: any other failure is no evidence
-        return exc.errno not in (errno.EADDRNOTAVAIL, getattr(errno, "WSAEADDRNOTAVAIL", -1))
+    """Can this machine still send from `address`? Only "not an address here" says no: any other failure to bind
+    is no evidence."""
+    return _bind_errno(address) not in (errno.EADDRNOTAVAIL, getattr(errno, "WSAEADDRNOTAVAIL", -1))
 
 
 class SourceWatch:
