@@ -23,6 +23,9 @@ action (``act_gact``). So:
   a path MTU blackhole, as a tunnel whose ICMP "fragmentation needed" is filtered makes. Handshakes and small calls
   pass; full-size segments of bulk transfers are dropped.
 
+All of these work on an IPv6 net too (an IPv6 ``subnet``; the filters match ``ip6``), except
+:meth:`FaultNet.blackhole_between`, which matches IPv4's total length.
+
 The faults are independent of each other and of the rate shaping (``set_rate``, ``set_down_rate``): a host can
 be shaped asymmetrically, behind "NAT" and in one group of a partition at once.
 """
@@ -46,6 +49,8 @@ _CARRIER_WAIT = 5.0
 # ACK clear. A SYN with IP options would slip through; nothing on these nets sends one.
 _SYN_MATCH = ["match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
               "match", "u8", "0x02", "0x12", "at", "33"]  # fmt: skip
+# The same for IPv6 with TCP as the next header (no extension headers; the fixed header is 40 bytes): flags at 53.
+_SYN_MATCH6 = ["match", "ip6", "protocol", "6", "0xff", "match", "u8", "0x02", "0x12", "at", "53"]
 
 
 class FaultNet(SlowLinkNet):
@@ -87,8 +92,12 @@ class FaultNet(SlowLinkNet):
             if time.monotonic() > deadline:
                 raise SlowLinkError(f"host {i}'s link has no carrier {_CARRIER_WAIT:g} s after restore")
             time.sleep(0.01)
-        _exec([self._ip, "-n", ns, "route", "replace", str(self._network), "dev", _HOST_IF, "proto", "kernel",
-               "scope", "link", "src", self.address(i)])  # fmt: skip
+        if self.ipv6:
+            _exec([self._ip, "-n", ns, "-6", "route", "replace", str(self._network), "dev", _HOST_IF, "proto",
+                   "kernel", "metric", "256"])  # fmt: skip
+        else:
+            _exec([self._ip, "-n", ns, "route", "replace", str(self._network), "dev", _HOST_IF, "proto", "kernel",
+                   "scope", "link", "src", self.address(i)])  # fmt: skip
         self._cut.discard(i)
 
     def is_cut(self, i: int) -> bool:
@@ -164,7 +173,7 @@ class FaultNet(SlowLinkNet):
         self._require_up()
         if self._host(i) in self._blocked:
             return
-        self._drop_at(i, "1", _SYN_MATCH)
+        self._drop_at(i, "1", _SYN_MATCH6 if self.ipv6 else _SYN_MATCH)
         self._blocked.add(i)
 
     def _drop_at(self, i: int, prio: str, match: list[str]) -> None:
@@ -177,13 +186,18 @@ class FaultNet(SlowLinkNet):
         if fresh:
             _exec([self._tc, "-n", ns, "qdisc", "add", "dev", _HOST_IF, "handle", "ffff:", "ingress"])
         try:
-            _exec([self._tc, "-n", ns, "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol", "ip",
+            _exec([self._tc, "-n", ns, "filter", "add", "dev", _HOST_IF, "parent", "ffff:", "protocol", self._proto,
                    "prio", prio, "u32", *match, "action", "mirred", "egress", "redirect", "dev",
                    _SINK])  # fmt: skip
         except SlowLinkError:  # no u32 or mirred in this kernel: leave no half-made block behind
             if fresh:
                 _exec([self._tc, "-n", ns, "qdisc", "del", "dev", _HOST_IF, "ingress"], check=False)
             raise
+
+    @property
+    def _proto(self) -> str:
+        """The ethertype tc filters match on this net."""
+        return "ipv6" if self.ipv6 else "ip"
 
     def _undrop_at(self, i: int, prio: str) -> None:
         """Remove host ``i``'s ingress filter of ``prio``, and the ingress qdisc with its last filter."""
@@ -217,7 +231,11 @@ class FaultNet(SlowLinkNet):
         for a, b in ((i, j), (j, i)):
             if (self._host(a), self._host(b)) in self._pairs:
                 continue
-            src = ["match", "ip", "src", f"{self.address(b)}/32"]
+            src = (
+                ["match", "ip6", "src", f"{self.address(b)}/128"]
+                if self.ipv6
+                else ["match", "ip", "src", f"{self.address(b)}/32"]
+            )
             self._drop_at(a, str(10 + self._host(b)), src)
             self._pairs.add((self._host(a), self._host(b)))
 
@@ -239,6 +257,8 @@ class FaultNet(SlowLinkNet):
         blackhole; 1280 is the IPv6 minimum MTU, as tunnels that lose "fragmentation needed" often are)."""
         if max_bytes % 256 or not 256 <= max_bytes <= 32768:
             raise ValueError(f"max_bytes must be a multiple of 256 in [256, 32768], not {max_bytes}")
+        if self.ipv6:
+            raise ValueError("blackhole_between matches the IPv4 total length: use it on an IPv4 net")
         if max(self._host(i), self._host(j)) > 7:
             raise ValueError("blackhole_between takes hosts 0-7 (one filter priority per source host below the drop)")
         self.block_between(i, j)
@@ -258,7 +278,7 @@ class FaultNet(SlowLinkNet):
         laptop moving networks does: open connections from the old address die, and the old address answers nobody.
         Call it before any block that names host ``i`` (the filters match addresses)."""
         self._require_up()
-        new = ipaddress.IPv4Address(address)
+        new = ipaddress.ip_address(address)
         if new not in self._network or new in (self._network.network_address, self._network.broadcast_address):
             raise ValueError(f"{address} is not a host address in {self._network}")
         if str(new) in self._addresses:
@@ -267,7 +287,8 @@ class FaultNet(SlowLinkNet):
             raise ValueError(f"host {i} has blocks naming its address: renumber it before blocking")
         ns = self.netns(i)
         _exec([self._ip, "-n", ns, "addr", "flush", "dev", _HOST_IF])
-        _exec([self._ip, "-n", ns, "addr", "add", f"{new}/{self._network.prefixlen}", "dev", _HOST_IF])
+        nodad = ["nodad"] if self.ipv6 else []
+        _exec([self._ip, "-n", ns, "addr", "add", f"{new}/{self._network.prefixlen}", "dev", _HOST_IF, *nodad])
         self._addresses[self._host(i)] = str(new)
 
     def syns_dropped(self, i: int) -> int:

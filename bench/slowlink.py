@@ -318,8 +318,9 @@ class SlowLinkNet:
     Each host's egress is shaped with tbf to ``rate_mbit`` (one rate for all, or one per host); with
     ``down_rate_mbit`` the traffic the bridge sends to a host is shaped too. Host ``i`` has address
     ``subnet[i + 1]`` on its ``eth0``; its loopback is up, so servers listening on 0.0.0.0, on the host's
-    address or on 127.0.0.1 all work. Use as a context manager; nothing exists before ``__enter__`` and nothing
-    is left after ``__exit__``.
+    address or on 127.0.0.1 all work. An IPv6 ``subnet`` (``fd77::/64``) makes an IPv6-only net: hosts have that
+    address alone (and ``::1``), so software that quietly assumes IPv4 fails there as it would on such a network.
+    Use as a context manager; nothing exists before ``__enter__`` and nothing is left after ``__exit__``.
     """
 
     def __init__(
@@ -338,9 +339,9 @@ class SlowLinkNet:
         if not 1 <= n_hosts <= _MAX_HOSTS:
             raise ValueError(f"n_hosts must be in [1, {_MAX_HOSTS}], got {n_hosts}")
         try:
-            network = ipaddress.IPv4Network(subnet, strict=True)
-        except (ipaddress.AddressValueError, ipaddress.NetmaskValueError, ValueError) as exc:
-            raise ValueError(f"subnet must be an IPv4 network such as 10.77.0.0/24: {exc}") from exc
+            network = ipaddress.ip_network(subnet, strict=True)
+        except ValueError as exc:
+            raise ValueError(f"subnet must be a network such as 10.77.0.0/24 or fd77::/64: {exc}") from exc
         if network.num_addresses - 2 < n_hosts:
             raise ValueError(f"subnet {network} has room for {max(0, network.num_addresses - 2)} hosts, not {n_hosts}")
         self._n = n_hosts
@@ -411,10 +412,15 @@ class SlowLinkNet:
             _exec([ip, "-n", hub, "link", "add", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns])
             _exec([ip, "-n", hub, "link", "set", port, "master", _BRIDGE])
             _exec([ip, "-n", hub, "link", "set", port, "up"])
-            self._quiet_ipv6(ns)
+            if self.ipv6:
+                self._plain_ipv6(ns)
+            else:
+                self._quiet_ipv6(ns)
             self._set_congestion(ns)
             _exec([ip, "-n", ns, "link", "set", "lo", "up"])
-            _exec([ip, "-n", ns, "addr", "add", f"{self._addresses[i]}/{prefix}", "dev", _HOST_IF])
+            # nodad: the address works at once (duplicate detection would hold it "tentative" for a second or more)
+            nodad = ["nodad"] if self.ipv6 else []
+            _exec([ip, "-n", ns, "addr", "add", f"{self._addresses[i]}/{prefix}", "dev", _HOST_IF, *nodad])
             _exec([ip, "-n", ns, "link", "set", _HOST_IF, "up"])
             self._shape(ns, _HOST_IF, self._rates[i])
             down = self._down[i]
@@ -428,6 +434,23 @@ class SlowLinkNet:
         """
         _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
                "net.ipv6.conf.default.disable_ipv6=1"], check=False)  # fmt: skip
+
+    def _plain_ipv6(self, ns: str) -> None:
+        """IPv6 on in ``ns`` for an IPv6 net, without router solicitations or autoconfigured addresses: the host has
+        its one static address, and little chatter pollutes the byte counts (neighbour discovery remains)."""
+        keys = ["disable_ipv6=0", "accept_ra=0", "autoconf=0", "router_solicitations=0", "dad_transmits=0"]
+        sets = [f"net.ipv6.conf.{dev}.{key}" for dev in ("all", "default") for key in keys]
+        _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", *sets], check=False)
+
+    @property
+    def ipv6(self) -> bool:
+        """Whether this is an IPv6-only net (an IPv6 ``subnet``)."""
+        return self._network.version == 6
+
+    def hostport(self, i: int, port: int) -> str:
+        """Host ``i``'s address with ``port``, as dialled: ``10.77.0.2:7000`` or ``[fd77::2]:7000``."""
+        host = self.address(i)
+        return f"[{host}]:{port}" if self.ipv6 else f"{host}:{port}"
 
     def _set_congestion(self, ns: str) -> None:
         """Give ``ns`` its own TCP congestion control (a per-namespace sysctl); None keeps the one it inherited."""
@@ -498,7 +521,7 @@ class SlowLinkNet:
             raise SlowLinkError("the net is not set up; use it inside `with SlowLinkNet(...) as net:`")
 
     def address(self, i: int) -> str:
-        """Host ``i``'s IPv4 address, reachable from every other host."""
+        """Host ``i``'s address (IPv4, or IPv6 on an IPv6 net), reachable from every other host."""
         return self._addresses[self._host(i)]
 
     def netns(self, i: int) -> str:

@@ -1,9 +1,10 @@
 """Swarms of real `peerd start` processes in network namespaces, for tests that need a real network's faults.
 
 `NetSwarm` is tests/swarm.py's `Swarm` (same spawn / start / add_peer / wait_until / wait_exit) with peer i running
-inside host i of a `bench.netfaults.FaultNet`: it listens on 0.0.0.0:PORT, announces HOST_ADDRESS:PORT (unless
-asked not to, as a peer that must learn its address from others) and bootstraps from host 0. The test can then cut
-links, partition the hosts, make a host undialable (behind NAT) and shape links through `swarm.net`.
+inside host i of a `bench.netfaults.FaultNet`: it listens on 0.0.0.0:PORT ([::]:PORT on an IPv6 net), announces
+HOST_ADDRESS:PORT (unless asked not to, as a peer that must learn its address from others) and bootstraps from host 0.
+The test can then cut links, partition the hosts, make a host undialable (behind NAT) and shape links through
+`swarm.net`.
 
 The root namespace cannot reach the hosts' addresses, so a peer's status is read by running `peerd status` inside
 a host's namespace: the peer's own, or another host's to see what that host can reach.
@@ -72,19 +73,24 @@ class NetSwarm(Swarm):
         wait_peers: bool = True,
         extra_args: list[str] | None = None,
         secure: bool = False,
+        subnet: str | None = None,
     ) -> None:
-        """`n` peers on a FaultNet of `n` hosts with the given rates, or on `net` (already entered; the caller
-        closes it, and it may have spare hosts for add_peer). `announce=False` leaves --announce out."""
+        """`n` peers on a FaultNet of `n` hosts with the given rates (and `subnet`: an IPv6 one makes an IPv6-only
+        net), or on `net` (already entered; the caller closes it, and it may have spare hosts for add_peer).
+        `announce=False` leaves --announce out."""
         super().__init__(tmp_path, n, config, wait_peers=wait_peers, extra_args=extra_args, secure=secure)
         self._own_net = net is None
-        self.net = net if net is not None else FaultNet(n, rate_mbit, down_rate_mbit=down_rate_mbit)
+        if net is None:
+            kw = {"subnet": subnet} if subnet is not None else {}
+            net = FaultNet(n, rate_mbit, down_rate_mbit=down_rate_mbit, **kw)
+        self.net = net
         self.port = port
         self.announce = announce
         self.spawned: dict[int, dict[str, Any]] = {}  # index -> spawn arguments, so restart repeats them
 
     def address(self, index: int) -> str:
         """HOST:PORT where other hosts reach peer `index`."""
-        return f"{self.net.address(index)}:{self.port}"
+        return self.net.hostport(index, self.port)
 
     def boot_address(self, index: int) -> str:
         return self.address(index)
@@ -108,7 +114,12 @@ class NetSwarm(Swarm):
         if self.announce if announce is None else announce:
             own += ["--announce", self.address(index)]
         cmd = self.start_command(
-            index, bootstrap, listen=f"0.0.0.0:{self.port}", config=config, wait_peers=wait_peers, extra=own
+            index,
+            bootstrap,
+            listen=f"[::]:{self.port}" if self.net.ipv6 else f"0.0.0.0:{self.port}",
+            config=config,
+            wait_peers=wait_peers,
+            extra=own,
         )
         with open(data / "log", "ab") as log:
             proc = self.net.popen(index, cmd, stdout=log, stderr=subprocess.STDOUT, env=peer_env(env), cwd=REPO)
