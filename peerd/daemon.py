@@ -30,6 +30,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peerd import faults, peercache, reflection, tls
+from peerd.addresses import hostport, split_host
 from peerd.admission import Admission
 from peerd.allreduce import RoundResult
 from peerd.channels import CHANNEL_OPTIONS, Channels
@@ -309,10 +310,11 @@ class Daemon:
             version=__version__,
         )
         host, port = self.metrics_listen.rsplit(":", 1)
+        host = host.strip("[]")
         self._metrics_server = MetricsServer(self.metrics, host, int(port), self._sd_targets)
         bound = self._metrics_server.start()
-        shown = self.me.address.rsplit(":", 1)[0] if host in ("0.0.0.0", "", "::") else host
-        self.me.metrics_address = f"{shown}:{bound}"
+        shown = split_host(self.me.address) if host in ("0.0.0.0", "", "::") else host
+        self.me.metrics_address = hostport(shown, bound)
         write_atomic(self.data_dir / "metrics_address", self.me.metrics_address)
 
     def _sd_targets(self) -> list[dict]:

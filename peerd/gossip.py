@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import grpc
 
 from peerd import bootstrap, faults, peercache, tls
+from peerd.addresses import hostport
 from peerd.bootstrap import unspecified
 from peerd.channels import UNREACHABLE, connection_failed, dial_failure, turned_away
 from peerd.datadir import write_atomic
@@ -125,7 +126,7 @@ class Gossip:
             try:
                 resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
             except grpc.aio.AioRpcError as exc:
-                if not CLOCK.heard(exc, addr, lambda: len(self.d.membership.alive()) - 1):
+                if not CLOCK.heard(exc, addr, self.d.membership.others_alive):
                     raise
                 req = sign(req, "Join", self.d.identity, self.d.run_id)  # refused as stale: again, by the swarm's time
                 resp = await self.d.channels.membership(addr, peer).Join(req, timeout=timeout)
@@ -138,7 +139,7 @@ class Gossip:
                 raise bootstrap.NoAnswer(f"{exc.code().name} {exc.details()}") from exc
             raise JoinError(f"{addr} refused us: {exc.details()}") from exc
         if unspecified(self.d.me.address) and resp.observed_address:
-            self.d.me.address = f"{resp.observed_address}:{self.d.me.address.rsplit(':', 1)[-1]}"
+            self.d.me.address = hostport(resp.observed_address, self.d.me.address.rsplit(":", 1)[-1])
             self.d.me.heartbeat += 1
             write_atomic(self.d.data_dir / "address", self.d.me.address)
         self.merge_gossip(resp.peers)
@@ -421,7 +422,7 @@ class Gossip:
         try:
             resp = await self.d.channels.membership(peer.address, peer).Gossip(req, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            CLOCK.heard(exc, peer.address, lambda: len(self.d.membership.alive()) - 1)  # refused as stale: our clock?
+            CLOCK.heard(exc, peer.address, self.d.membership.others_alive)  # refused as stale: our clock?
             # A gossip call that overran its deadline on a connected channel met a busy peer or a busy link (a
             # round's bytes queued ahead of it), not a dead one: marking it dead made leaders close groups without it
             # and split the step. Marked: a refused connection, and a channel that is not connected with the peer

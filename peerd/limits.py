@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from peerd.addresses import host_block, remote_ip
 from peerd.config import SecuritySection
 from peerd.streams import StreamError
 
@@ -169,7 +169,7 @@ class PeerLimits:
         keys = [(f"conn:{peer}", 1)]
         ip = remote_ip(peer)
         if ip is not None and not ip.is_loopback:
-            keys.append((f"ip:{ip}", IP_FACTOR))
+            keys.append((f"ip:{host_block(ip)}", IP_FACTOR))
         return keys
 
 
@@ -194,16 +194,6 @@ class LogThrottle:
             return True, suppressed
         st[2] += 1
         return False, 0
-
-
-def remote_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """'ipv4:1.2.3.4:5678' / 'ipv6:[::1]:5678' -> the address; None for anything else (e.g. unix sockets)."""
-    for prefix in ("ipv4:", "ipv6:"):
-        if peer.startswith(prefix):
-            host = peer[len(prefix) :].rsplit(":", 1)[0].strip("[]")
-            with contextlib.suppress(ValueError):
-                return ipaddress.ip_address(host)
-    return None
 
 
 class _Malformed:

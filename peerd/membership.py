@@ -383,6 +383,11 @@ class Membership:
             out.append(self.me)
         return sorted(out, key=lambda p: p.peer_id)
 
+    def others_alive(self, now: float | None = None) -> int:
+        """How many live peers we know besides ourselves (the clock's test for whether one peer may be trusted)."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for pid in self.entries if pid != self.me.peer_id and self.is_alive(pid, now))
+
     def settled(self, now: float | None = None) -> list[pb.PeerInfo]:
         """Live peers known for at least `settle_s`: round leaders are picked among these, so a peer that only just
         joined (and that some peers may not know yet) cannot split a round into two groups."""

@@ -17,15 +17,9 @@ import ipaddress
 import socket
 from collections.abc import Iterable
 
+from peerd.addresses import split_host
+
 MAX_DESTINATIONS = 64  # destinations remembered (a few are sampled per tick); the oldest go first
-
-
-def split_host(address: str) -> str:
-    """'host:port' or '[v6]:port' -> host ('' for anything else)."""
-    host, sep, _port = address.rpartition(":")
-    if not sep:
-        return ""
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def source_for(host: str, port: int = 9) -> str | None:

@@ -16,6 +16,7 @@ our source address change, and while we have no verdict (the first peer of a swa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -27,11 +28,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from peerd import tls
+from peerd.addresses import host_block, hostport, remote_ip, split_address, split_host
 from peerd.datadir import write_atomic
 from peerd.envelope import sign
 from peerd.identity import verify
-from peerd.limits import TokenBucket, remote_ip
-from peerd.netchange import SourceWatch, is_local, split_host
+from peerd.limits import TokenBucket
+from peerd.netchange import SourceWatch, is_local
 from peerd.pairblocks import CHECK_S
 from peerd.pathcheck import fresh_channel, full_size_path
 from peerd.swarmclock import CLOCK
@@ -72,14 +74,6 @@ def echo_bytes(run_id: bytes, nonce: bytes) -> bytes:
     return ECHO_TAG + run_id + nonce
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """'host:port' / '[v6]:port' -> (host, port); ValueError when it is not one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise ValueError(f"not a host:port address: {address[:80]!r}")
-    return host.strip("[]"), int(port)
-
-
 def same_host(a: str, b: str) -> bool:
     try:
         return ipaddress.ip_address(a) == ipaddress.ip_address(b)
@@ -102,6 +96,8 @@ class ProbeLimiter:
         if len(self._buckets) > 4096:
             self._buckets.clear()  # bounded memory; forgetting budgets only makes us more lenient for a moment
         kb = self._buckets.setdefault(f"key:{key}", TokenBucket(*self.per_key, now))
+        with contextlib.suppress(ValueError):  # an IPv6 host is budgeted by its /64 (peerd/limits.py)
+            host = host_block(ipaddress.ip_address(host))
         hb = self._buckets.setdefault(f"host:{host}", TokenBucket(*self.per_host, now))
         return kb.take(now) and hb.take(now)
 
@@ -164,7 +160,7 @@ class Reachability:
         try:
             resp = await d.channels.membership(address, peer).Probe(req, timeout=PROBE_DIAL_S + 5.0)
         except grpc.aio.AioRpcError as exc:
-            if CLOCK.heard(exc, address, lambda: len(d.membership.alive()) - 1):  # stale: our clock is wrong
+            if CLOCK.heard(exc, address, d.membership.others_alive):  # stale: our clock is wrong
                 self.pending.pop(nonce, None)
                 return await self.check(address, peer, readdress)
             self._failed_calls += 1
@@ -400,7 +396,7 @@ class Reachability:
             return pb.ProbeResponse(result=f"refused: {exc}", observed_address=observed)
         if host in ("", "0.0.0.0", "::"):
             host = observed
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        address = hostport(host, port)
         if not observed or not same_host(host, observed):
             why = f"refused: {host} is not the host this request came from ({observed or 'unknown'})"
             return pb.ProbeResponse(result=why, address=address, observed_address=observed)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 import grpc
 
 from peerd import faults
+from peerd.addresses import remote_ip
 from peerd.allreduce import RoundFailed, suspects_metadata
 from peerd.bootstrap import unspecified
 from peerd.codecs import CodecError
@@ -98,7 +99,7 @@ class MembershipService(rpc.MembershipServicer):
                 "Join: the peer info does not belong to the signing key",
             )
         await self.checks.admit(request, context)
-        observed = _observed_host(context.peer())
+        observed = _observed_host(context)
         self.gossip.adopt_address(request.dialed_address)
         # The joiner's entry is signed by the joiner, so we store it as sent. One that does not know its address yet
         # learns it from `observed_address` below and gossips a re-signed entry moments later.
@@ -143,7 +144,7 @@ class MembershipService(rpc.MembershipServicer):
         if faults.GOSSIP_LATE_S:
             await asyncio.sleep(faults.GOSSIP_LATE_S)
         self.gossip.merge_gossip(request.peers)
-        observed = _observed_host(context.peer())
+        observed = _observed_host(context)
         resp = pb.GossipResponse(
             peers=self.membership.gossip_view(limit=self.cfg.network.gossip_entries), observed_address=observed
         )
@@ -450,10 +451,7 @@ class StateService(rpc.StateServicer):
             yield msg
 
 
-def _observed_host(peer: str) -> str:
-    """'ipv4:1.2.3.4:5678' or 'ipv6:[::1]:5678' -> the host part the joiner was seen from."""
-    if peer.startswith("ipv4:"):
-        return peer[5:].rsplit(":", 1)[0]
-    if peer.startswith("ipv6:"):
-        return peer[5:].rsplit(":", 1)[0].strip("[]")
-    return ""
+def _observed_host(context: grpc.aio.ServicerContext) -> str:
+    """The host a caller was seen from ('' when unknown), as peers dial it: '1.2.3.4', 'fd77::2'."""
+    ip = remote_ip(context.peer())
+    return str(ip) if ip is not None else ""

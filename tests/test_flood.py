@@ -18,6 +18,7 @@ from peerd.config import RunConfig
 from peerd.envelope import sign
 from peerd.identity import Identity
 from peerd.limits import PeerLimits
+from peerd.reachability import ProbeLimiter
 from peerd.streams import HEADER_METHOD
 from peerd.v1 import peerd_pb2 as pb
 from peerd.v1 import peerd_pb2_grpc as rpc
@@ -41,6 +42,26 @@ def test_token_bucket_and_stream_budgets() -> None:
         pass
     with limits.inflight("a", 100):
         pass  # everything was released
+
+
+def test_an_ipv6_host_is_budgeted_by_its_64_not_by_each_address() -> None:
+    """A host picks any address in its /64: a budget per address would let one abuser take as many as it likes."""
+    limits = PeerLimits(rate=1, burst=1, max_streams=2, max_inflight_bytes=100, read_timeout=1)
+    a = dict(limits.connection_keys("ipv6:[2001:db8:1:2::a]:5000"))
+    b = dict(limits.connection_keys("ipv6:[2001:db8:1:2:ffff::b]:6000"))
+    other = dict(limits.connection_keys("ipv6:[2001:db8:1:3::a]:5000"))
+    assert "ip:2001:db8:1:2::/64" in a and a.keys() & b.keys() == {"ip:2001:db8:1:2::/64"}
+    assert "ip:2001:db8:1:3::/64" in other
+    assert "ip:1.2.3.4" in dict(limits.connection_keys("ipv6:[::ffff:1.2.3.4]:1"))  # a mapped IPv4 host is that host
+    assert "ip:1.2.3.4" in dict(limits.connection_keys("ipv4:1.2.3.4:1"))
+    assert list(dict(limits.connection_keys("ipv6:[::1]:1"))) == ["conn:ipv6:[::1]:1"]  # loopback: per connection
+
+
+def test_dial_back_probes_are_budgeted_per_64_too() -> None:
+    lim = ProbeLimiter(per_key=(0.0, 100), per_host=(0.0, 3))
+    assert all(lim.allow(f"k{i}", f"2001:db8::{i + 1:x}", 0) for i in range(3))
+    assert not lim.allow("k9", "2001:db8::ffff", 0)  # a fourth address of the same /64: its budget is spent
+    assert lim.allow("k9", "2001:db8:0:1::1", 0)
 
 
 def _dial(address: str) -> grpc.Channel:

@@ -33,6 +33,7 @@ def test_merge_keeps_the_freshest_entry_and_detects_silence() -> None:
     m.merge([_info(a, 4, outer_step=1)], now=2.0)
     assert m.get(_info(a, 1).peer_id).outer_step == 1
     assert len(m.alive(now=6.9)) == 2 and len(m.alive(now=7.1)) == 1  # silent for peer_timeout: dead
+    assert m.others_alive(now=6.9) == 1 and m.others_alive(now=7.1) == 0  # ourselves never counted
     m.mark_unreachable(_info(a, 1).peer_id, now=2.5, address="h:2")  # it announces h:1: a dial elsewhere says nothing
     assert len(m.alive(now=3.0)) == 2
     m.mark_unreachable(_info(a, 1).peer_id, now=2.5, address="h:1")

@@ -11,14 +11,7 @@ import pytest
 from peerd import channels as channels_mod
 from peerd import netchange
 from peerd.channels import Channels
-from peerd.netchange import SourceWatch, is_local, source_for, split_host, still_local
-
-
-def test_split_host_reads_v4_v6_and_names() -> None:
-    assert split_host("10.0.0.1:7000") == "10.0.0.1"
-    assert split_host("[2001:db8::1]:7000") == "2001:db8::1"
-    assert split_host("peer.example:7000") == "peer.example"
-    assert split_host("nonsense") == ""
+from peerd.netchange import SourceWatch, is_local, source_for, still_local
 
 
 def test_the_kernel_names_a_source_without_sending_anything() -> None:
