@@ -64,6 +64,8 @@ def test_an_ipv6_peer_cut_off_comes_back_into_one_model(tmp_path: Path, monkeypa
     monkeypatch.setenv(*PACE)
     with NetSwarm(tmp_path, 3, _config(tmp_path, "diloco", steps=70), subnet=SUBNET) as swarm:
         _wait_step(swarm, 3, 120)
+        seen = swarm.status(0, via=1)  # `peerd status [fd77::1]:7000`, from another host
+        assert seen.address == swarm.address(0) and {p.address for p in seen.peers} >= {swarm.address(1)}, seen
         swarm.net.cut(2)
         cut_at = _logged_step(swarm.peers[0])
         swarm.wait_until(lambda: _logged_step(swarm.peers[0]) >= cut_at + 8, 120, "8 steps of the other two")
