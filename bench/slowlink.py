@@ -399,7 +399,7 @@ class SlowLinkNet:
     def _build(self) -> None:
         ip, hub = self._ip, self._hub
         self._ns_add(hub)
-        self._quiet_ipv6(hub)
+        self._set_ipv6(hub, False)
         _exec([ip, "-n", hub, "link", "set", "lo", "up"])
         # no STP (ports forward at once) and no multicast snooping (its IGMP packets would show in byte counts)
         _exec([ip, "-n", hub, "link", "add", _BRIDGE, "type", "bridge", "stp_state", "0", "mcast_snooping", "0"])
@@ -412,10 +412,7 @@ class SlowLinkNet:
             _exec([ip, "-n", hub, "link", "add", port, "type", "veth", "peer", "name", _HOST_IF, "netns", ns])
             _exec([ip, "-n", hub, "link", "set", port, "master", _BRIDGE])
             _exec([ip, "-n", hub, "link", "set", port, "up"])
-            if self.ipv6:
-                self._plain_ipv6(ns)
-            else:
-                self._quiet_ipv6(ns)
+            self._set_ipv6(ns, self.ipv6)
             self._set_congestion(ns)
             _exec([ip, "-n", ns, "link", "set", "lo", "up"])
             # nodad: the address works at once (duplicate detection would hold it "tentative" for a second or more)
@@ -427,19 +424,14 @@ class SlowLinkNet:
             if down is not None:
                 self._shape(hub, port, down)
 
-    def _quiet_ipv6(self, ns: str) -> None:
-        """Turn IPv6 off in ``ns``: its autoconfiguration chatter would pollute tx/rx byte counts.
-
-        peerd's bench traffic is IPv4; a missing ``sysctl`` only costs that accuracy, so it is not an error.
-        """
-        _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-               "net.ipv6.conf.default.disable_ipv6=1"], check=False)  # fmt: skip
-
-    def _plain_ipv6(self, ns: str) -> None:
-        """IPv6 on in ``ns`` for an IPv6 net, without router solicitations or autoconfigured addresses: the host has
-        its one static address, and little chatter pollutes the byte counts (neighbour discovery remains)."""
+    def _set_ipv6(self, ns: str, on: bool) -> None:
+        """IPv6 off in ``ns`` (its autoconfiguration chatter would pollute tx/rx byte counts), or on for an IPv6 net
+        without router solicitations or autoconfigured addresses: the host has its one static address (neighbour
+        discovery remains). A missing ``sysctl`` only costs byte-count accuracy, so it is not an error."""
         keys = ["disable_ipv6=0", "accept_ra=0", "autoconf=0", "router_solicitations=0", "dad_transmits=0"]
-        sets = [f"net.ipv6.conf.{dev}.{key}" for dev in ("all", "default") for key in keys]
+        sets = [
+            f"net.ipv6.conf.{dev}.{key}" for dev in ("all", "default") for key in (keys if on else ["disable_ipv6=1"])
+        ]
         _exec([self._ip, "netns", "exec", ns, "sysctl", "-q", "-w", *sets], check=False)
 
     @property

@@ -3,7 +3,6 @@ tests/test_ipv6_netns.py (hosts with IPv6 addresses alone)."""
 
 from __future__ import annotations
 
-import socket
 from concurrent import futures
 
 import grpc
@@ -11,6 +10,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from peerd.addresses import host_block, hostport, remote_ip, split_address, split_host
+from tests.test_metrics import _ipv6_loopback
 
 
 def test_split_host_reads_v4_v6_and_names() -> None:
@@ -55,15 +55,6 @@ def test_host_block_is_the_v4_address_or_the_v6_64() -> None:
     assert host_block(ipaddress.ip_address("1.2.3.4")) == "1.2.3.4"
     assert host_block(ipaddress.ip_address("2001:db8:1:2:3:4:5:6")) == "2001:db8:1:2::/64"
     assert host_block(ipaddress.ip_address("::ffff:1.2.3.4")) == "1.2.3.4"
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
