@@ -74,7 +74,8 @@ def test_an_ipv6_peer_cut_off_comes_back_into_one_model(tmp_path: Path, monkeypa
     summaries = [p.summary() for p in swarm.peers]
     assert all(s["finished"] for s in summaries), summaries
     _check_honest(summaries)
-    assert summaries[2]["solo_steps"] > 0, summaries[2]  # the fault landed: it trained alone while cut off
+    # the fault landed: the other two had rounds without it (it may take no solo step of its own under load: CI)
+    assert summaries[0]["rounds_partial"] > 0 and summaries[1]["rounds_partial"] > 0, summaries[:2]
     everyone = {s["peer_id"] for s in summaries}
     assert set(summaries[0]["rounds"][-1]["included"]) == everyone, summaries[0]["rounds"][-1]
     assert_identical_globals([p.data_dir for p in swarm.peers])

@@ -95,9 +95,9 @@ def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
     peers in four, pairs of the other two leave both alone. Nobody proposes to a peer it cannot dial, and peers that
     cannot dial someone are likelier partners (matchmaking.CONSTRAINED_WEIGHT). Solo steps of the pair over 40 steps:
     16 and 8, 14 and 5 before; 1-6 each after (0-2 with no block; 9 once while route checks waited 5 s; 10 and 0 once
-    in clean-clone CI). `fault`: a
-    broken route, or a path MTU blackhole (tests/test_mtu_blackhole.py), whose exchanges hang on open connections: the
-    pair had 18 and 14 solo steps under it before pathcheck.py, 0 and 4 after."""
+    in clean-clone CI). `fault`: a broken route, or a path MTU blackhole (tests/test_mtu_blackhole.py), whose
+    exchanges hang on open connections: the pair had 18 and 14 solo steps under it before pathcheck.py, 0 and 4
+    after."""
     from bench.netfaults import FaultNet
     from tests.netswarm import NetSwarm
 
@@ -113,5 +113,5 @@ def test_noloco_pairs_around_two_peers_that_cannot_reach_each_other(
     _check_pair_said_so(swarm, summaries)
     solo = [s["solo_steps"] for s in summaries]
     # Counted over the swarm, not per peer: which of the pair stays alone under load varies (clean-clone CI: 10 and 0,
-    # in waits of 0.0-0.5 s for a partner, against 4-6 each here), while the code before left the pair 19-32 together.
+    # after partner waits of 0.0-0.5 s), while the code before pathcheck.py left the pair 19-32 solo steps together.
     assert sum(solo) <= 12, solo
