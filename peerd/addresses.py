@@ -1,9 +1,10 @@
 """Addresses, IPv4 and IPv6 alike: 'host:port' as peers announce and dial them ('[v6]:port' for IPv6), and the peer
 strings gRPC reports for a caller.
 
-Every place that splits, joins or reads an address goes through here, so an IPv6 one is never written without its
-brackets ('fd77::2:7000' dials nothing) nor read as gRPC spells it ('ipv6:%5Bfd77::2%5D:51234', percent-encoded)
-without decoding. tests/test_ipv6_netns.py runs a swarm whose hosts have IPv6 addresses alone.
+The daemon's peer addresses are split, joined and read here, so an IPv6 one is never written without its brackets
+('fd77::2:7000' dials nothing) nor read as gRPC spells it ('ipv6:%5Bfd77::2%5D:51234', percent-encoded) without
+decoding. Twins remain: bootstrap.parse_hostport (CLI flags, with UserError) and tls._split (TlsError).
+tests/test_ipv6_netns.py runs a swarm whose hosts have IPv6 addresses alone.
 """
 
 from __future__ import annotations
